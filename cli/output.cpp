@@ -1,0 +1,72 @@
+#include "output.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <iostream>
+
+namespace leanstep::cli {
+
+void Table::print(std::FILE* out) const {
+  std::vector<size_t> width(header_.size(), 0);
+  auto measure = [&](const std::vector<std::string>& row) {
+    for (size_t c = 0; c < row.size() && c < width.size(); ++c) width[c] = std::max(width[c], row[c].size());
+  };
+  measure(header_);
+  for (const auto& r : rows_) measure(r);
+  auto line = [&](const std::vector<std::string>& row) {
+    std::string s;
+    for (size_t c = 0; c < width.size(); ++c) {
+      const std::string cell = c < row.size() ? row[c] : "";
+      if (c) s += "  ";
+      s += c == 0 ? fmt::format("{:<{}}", cell, width[c]) : fmt::format("{:>{}}", cell, width[c]);
+    }
+    while (!s.empty() && s.back() == ' ') s.pop_back();
+    std::fprintf(out, "%s\n", s.c_str());
+  };
+  line(header_);
+  size_t total = 0;
+  for (size_t w : width) total += w;
+  total += 2 * (width.empty() ? 0 : width.size() - 1);
+  std::fprintf(out, "%s\n", std::string(total, '-').c_str());
+  for (const auto& r : rows_) line(r);
+}
+
+void print_json_line(const nlohmann::json& obj) {
+  std::cout << obj.dump() << std::endl;
+}
+
+nlohmann::json bench_record(const std::string& bench, const std::string& case_name, const std::string& op,
+                            const std::string& variant, double median_ms, double bytes) {
+  return {{"bench", bench},         {"case", case_name}, {"op", op},
+          {"variant", variant},     {"median_ms", median_ms}, {"bytes", bytes},
+          {"gbps", median_ms > 0 ? bytes / (median_ms * 1e-3) / 1e9 : 0.0}};
+}
+
+nlohmann::json bandwidth_record(const std::string& bench, const leanstep::bench::Bandwidth& bw) {
+  auto rec = bench_record(bench, "machine", leanstep::bench::access_name(bw.access), "stream",
+                          bw.timing.median_ms, bw.bytes_moved);
+  rec["buffer_bytes"] = bw.buffer_bytes;
+  return rec;
+}
+
+Progress::Progress(int total, bool enabled) : total_(total), enabled_(enabled), tty_(isatty(2)) {}
+
+void Progress::step(const std::string& what) {
+  ++current_;
+  if (!enabled_) return;
+  if (tty_) std::fprintf(stderr, "\r\033[K[%d/%d] %s", current_, total_, what.c_str());
+  else std::fprintf(stderr, "[%d/%d] %s\n", current_, total_, what.c_str());
+  std::fflush(stderr);
+}
+
+void Progress::done() {
+  if (enabled_ && tty_) std::fprintf(stderr, "\r\033[K");
+  std::fflush(stderr);
+}
+
+std::string format_ms(double ms) { return ms < 1 ? fmt::format("{:.4f}", ms) : fmt::format("{:.3f}", ms); }
+std::string format_fixed(double value, int decimals) { return fmt::format("{:.{}f}", value, decimals); }
+
+}  // namespace leanstep::cli

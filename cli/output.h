@@ -1,0 +1,56 @@
+// Output helpers shared by the subcommands: readable tables for people,
+// JSON lines for machines, and a progress line on long runs.
+#pragma once
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/bench.h"
+
+namespace leanstep::cli {
+
+// A plain-text table; columns are right-aligned except the first.
+class Table {
+ public:
+  explicit Table(std::vector<std::string> header) : header_(std::move(header)) {}
+  void add_row(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  void print(std::FILE* out = stdout) const;
+
+ private:
+  std::vector<std::string> header_;
+  std::vector<std::vector<std::string>> rows_;
+};
+
+// Prints one JSON object on one line to stdout and flushes.
+void print_json_line(const nlohmann::json& obj);
+
+// One benchmark result in the common line format:
+// {bench, case, op, variant, median_ms, bytes, gbps}.
+nlohmann::json bench_record(const std::string& bench, const std::string& case_name,
+                            const std::string& op, const std::string& variant,
+                            double median_ms, double bytes);
+// The bandwidth line ("copy", "read" or "inplace" op, variant "stream").
+nlohmann::json bandwidth_record(const std::string& bench, const leanstep::bench::Bandwidth& bw);
+
+// A progress line on stderr ("[3/10] what"), rewritten in place on a terminal,
+// one line per update otherwise. Silent when disabled (e.g. under --json with --quiet).
+class Progress {
+ public:
+  Progress(int total, bool enabled = true);
+  void step(const std::string& what);
+  void done();
+
+ private:
+  int total_;
+  int current_ = 0;
+  bool enabled_;
+  bool tty_;
+};
+
+std::string format_ms(double ms);
+std::string format_fixed(double value, int decimals);
+
+}  // namespace leanstep::cli

@@ -1,0 +1,198 @@
+#include <dlpack/dlpack.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/parallel.h"
+#include "leanstep/buffer.h"
+#include "leanstep/core.h"
+#include "test_util.h"
+
+using namespace leanstep;
+using leanstep::testing::test_seed;
+
+namespace {
+
+uint32_t float_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+float bits_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// Oracle: round a double to the nearest representable value of a format with
+// `mant` explicit mantissa bits and exponent range [emin, emax], ties to even.
+double round_to_format(double x, int mant, int emin, int emax) {
+  if (std::isnan(x) || std::isinf(x) || x == 0) return x;
+  const double ax = std::fabs(x);
+  int e = std::ilogb(ax);
+  if (e < emin) e = emin;  // subnormal spacing
+  const double ulp = std::ldexp(1.0, e - mant);
+  double q = ax / ulp;
+  double r = std::nearbyint(q);  // ties-to-even under the default rounding mode
+  double y = r * ulp;
+  const double max_finite = std::ldexp(2.0 - std::ldexp(1.0, -mant), emax);
+  const double overflow_threshold = max_finite + std::ldexp(1.0, emax - mant - 1);
+  if (ax >= overflow_threshold) y = INFINITY;
+  return std::copysign(y, x);
+}
+
+}  // namespace
+
+TEST(Core, DtypeNamesAndSizes) {
+  EXPECT_EQ(dtype_size(DType::kBFloat16), 2u);
+  EXPECT_EQ(dtype_size(DType::kInt64), 8u);
+  EXPECT_EQ(dtype_from_name("bf16"), DType::kBFloat16);
+  EXPECT_EQ(dtype_from_name("float32"), DType::kFloat32);
+  EXPECT_LEANSTEP_ERROR(dtype_from_name("fp8"), "'name'");
+}
+
+TEST(Core, HalfRoundTripAllBitPatterns) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = half_to_float(static_cast<uint16_t>(h));
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(half_to_float(float_to_half(f)))) << h;
+      continue;
+    }
+    EXPECT_EQ(float_to_half(f), h) << "half bits " << h;
+  }
+}
+
+TEST(Core, BF16RoundTripAllBitPatterns) {
+  for (uint32_t b = 0; b < 65536; ++b) {
+    const float f = bf16_to_float(static_cast<uint16_t>(b));
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(f))));
+      continue;
+    }
+    EXPECT_EQ(float_to_bf16(f), b);
+  }
+}
+
+TEST(Core, ScalarConversionsMatchRoundingOracle) {
+  std::mt19937_64 rng(test_seed());
+  std::uniform_int_distribution<uint32_t> bits;
+  for (int i = 0; i < 200000; ++i) {
+    const float f = bits_float(bits(rng));
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(half_to_float(float_to_half(f))));
+      EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(f))));
+      continue;
+    }
+    EXPECT_EQ(half_to_float(float_to_half(f)), static_cast<float>(round_to_format(f, 10, -14, 15))) << f;
+    EXPECT_EQ(bf16_to_float(float_to_bf16(f)), static_cast<float>(round_to_format(f, 7, -126, 127))) << f;
+  }
+  EXPECT_TRUE(std::isinf(half_to_float(float_to_half(65520.0f))));
+  EXPECT_EQ(half_to_float(float_to_half(65519.0f)), 65504.0f);
+  // A NaN whose payload sits only in the low 16 bits must stay NaN in bf16.
+  EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(bits_float(0x7F800001u)))));
+}
+
+TEST(Core, BulkConversionsMatchScalar) {
+  std::mt19937_64 rng(test_seed());
+  std::uniform_int_distribution<uint32_t> bits;
+  for (int64_t n : {0, 1, 7, 16, 17, 1000, 4099}) {
+    std::vector<float> src(static_cast<size_t>(n));
+    for (auto& f : src) f = bits_float(bits(rng));
+    for (DType dt : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+      std::vector<uint8_t> packed(static_cast<size_t>(n) * dtype_size(dt) + 1);
+      convert_from_f32(src.data(), packed.data(), dt, n);
+      std::vector<float> back(static_cast<size_t>(n));
+      convert_to_f32(packed.data(), dt, back.data(), n);
+      for (int64_t i = 0; i < n; ++i) {
+        const float f = src[static_cast<size_t>(i)];
+        float expect = f;
+        if (dt == DType::kFloat16) expect = half_to_float(float_to_half(f));
+        if (dt == DType::kBFloat16) expect = bf16_to_float(float_to_bf16(f));
+        if (std::isnan(expect)) {
+          EXPECT_TRUE(std::isnan(back[static_cast<size_t>(i)])) << dtype_name(dt) << " i=" << i;
+        } else {
+          EXPECT_EQ(float_bits(back[static_cast<size_t>(i)]), float_bits(expect))
+              << dtype_name(dt) << " i=" << i << " value " << f;
+        }
+      }
+    }
+  }
+}
+
+TEST(Core, TensorViewBasics) {
+  Buffer b(DType::kBFloat16, {3, 5});
+  const Tensor& t = b.view();
+  EXPECT_EQ(t.numel(), 15);
+  EXPECT_TRUE(t.is_contiguous());
+  EXPECT_EQ(t.byte_end() - t.byte_begin(), 30u);
+  EXPECT_EQ(t.describe(), "bfloat16[3, 5] cpu");
+  Tensor col = t;
+  col.ndim = 1;
+  col.shape[0] = 3;
+  col.strides[0] = 5;
+  EXPECT_FALSE(col.is_contiguous());
+  EXPECT_EQ(col.byte_end() - col.byte_begin(), (2u * 5u + 1u) * 2u);
+  Tensor bad(nullptr, DType::kFloat32, {4});
+  EXPECT_LEANSTEP_ERROR(check_tensor(bad, "op", "x"), "argument 'x' has null data");
+  Tensor empty(nullptr, DType::kFloat32, {0, 4});
+  EXPECT_NO_THROW(check_tensor(empty, "op", "x"));
+}
+
+TEST(Core, FromDLPack) {
+  float data[6] = {1, 2, 3, 4, 5, 6};
+  int64_t shape[2] = {2, 3};
+  int64_t strides[2] = {1, 2};  // column-major view
+  DLTensor dl{};
+  dl.data = data;
+  dl.device = {kDLCPU, 0};
+  dl.ndim = 2;
+  dl.dtype = {kDLFloat, 32, 1};
+  dl.shape = shape;
+  dl.strides = strides;
+  dl.byte_offset = 4;
+  Tensor t = Tensor::from_dlpack(dl, "grads");
+  EXPECT_EQ(t.data, static_cast<void*>(data + 1));
+  EXPECT_EQ(t.strides[0], 1);
+  EXPECT_FALSE(t.is_contiguous());
+  dl.strides = nullptr;
+  EXPECT_TRUE(Tensor::from_dlpack(dl).is_contiguous());
+  dl.dtype = {kDLBfloat, 16, 1};
+  EXPECT_EQ(Tensor::from_dlpack(dl).dtype, DType::kBFloat16);
+  dl.dtype = {kDLComplex, 64, 1};
+  EXPECT_LEANSTEP_ERROR(Tensor::from_dlpack(dl, "grads"), "argument 'grads' has unsupported DLPack dtype");
+  dl.dtype = {kDLFloat, 32, 4};
+  EXPECT_LEANSTEP_ERROR(Tensor::from_dlpack(dl, "grads"), "1 lane");
+}
+
+TEST(Core, ParallelChunksAreFixedAndCounted) {
+  reset_counters();
+  const int64_t n = 100003;
+  std::vector<double> partial(static_cast<size_t>(detail::num_chunks(n, 4096)));
+  for (int threads : {1, 2, 3, 4}) {
+    set_num_threads(threads);
+    detail::parallel_chunks(n, 4096, [&](int64_t c, int64_t b, int64_t e) {
+      double s = 0;
+      for (int64_t i = b; i < e; ++i) s += 1.0 / static_cast<double>(i + 1);
+      partial[static_cast<size_t>(c)] = s;
+    });
+    std::vector<double> copy = partial;
+    const double total = detail::tree_reduce(copy.data(), static_cast<int64_t>(copy.size()), 0.0,
+                                             [](double a, double b) { return a + b; });
+    static double first = total;
+    EXPECT_EQ(std::memcmp(&first, &total, sizeof(double)), 0) << "threads=" << threads;
+  }
+  set_num_threads(2);
+  EXPECT_EQ(counters().dispatches, 4u);
+  EXPECT_EQ(counters().host_reads, 0u);
+}
+
+TEST(Core, ReadScalarCountsHostReads) {
+  reset_counters();
+  Buffer s(DType::kFloat32, {1});
+  s.data_as<float>()[0] = 2.5f;
+  EXPECT_EQ(read_scalar(s), 2.5);
+  EXPECT_EQ(counters().host_reads, 1u);
+  Buffer two(DType::kFloat32, {2});
+  EXPECT_LEANSTEP_ERROR(read_scalar(two), "exactly 1 element");
+}
