@@ -45,8 +45,8 @@ test-asan: sysdeps
 
 test-tsan: sysdeps
 	cmake --preset tsan >/dev/null
-	cmake --build --preset tsan -j $(JOBS)
-	ctest --preset tsan -j $(JOBS) --no-tests=ignore
+	cmake --build --preset tsan -j $(JOBS) --target tsan_tests
+	ctest --preset tsan -j $(JOBS) --no-tests=error
 
 demo: pydeps build
 	$(BUILD)/release/leanstep demo
