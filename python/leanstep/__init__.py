@@ -1,0 +1,30 @@
+"""leanstep: fast, exact optimizer-step paths (gradient norm/clip/unscale,
+RMSNorm, MoE token permutation) over the caller's own tensors.
+
+Inputs are any DLPack arrays on the CPU (PyTorch tensors, NumPy arrays) and are
+used zero-copy; in-place operations write into the caller's memory; results
+come back in the framework of the inputs (torch in, torch out) or go into
+``out=`` arrays. bf16 comes through torch tensors. Errors from the library are
+raised as :class:`leanstep.Error` (a ``ValueError``) with the library's message.
+"""
+
+from . import _leanstep
+from ._leanstep import Error, counters, data_ptr, describe, num_threads, read_scalar
+from ._leanstep import reset_counters, set_num_threads
+
+__version__ = _leanstep.__version__
+
+#: Areas of the C++ library compiled into this build.
+areas = tuple(_leanstep.areas)
+
+__all__ = [
+    "Error",
+    "areas",
+    "counters",
+    "data_ptr",
+    "describe",
+    "num_threads",
+    "read_scalar",
+    "reset_counters",
+    "set_num_threads",
+]

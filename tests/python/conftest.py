@@ -1,0 +1,49 @@
+"""Shared fixtures: fresh random seeds per run (printed, replay with
+LEANSTEP_TEST_SEED), as in the C++ tests."""
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+try:
+    import torch
+except ImportError:  # the core package works without torch
+    torch = None
+
+
+def _session_seed():
+    env = os.environ.get("LEANSTEP_TEST_SEED")
+    return int(env) if env else random.SystemRandom().randrange(2**31)
+
+
+SEED = _session_seed()
+
+
+def pytest_report_header(config):
+    return f"leanstep test seed: {SEED} (replay with LEANSTEP_TEST_SEED={SEED})"
+
+
+@pytest.fixture
+def rng(request):
+    # One stream per test, derived from the session seed and the test's name,
+    # so a failing test replays alone with the same numbers.
+    salt = sum(request.node.nodeid.encode()) * 7919
+    seed = (SEED + salt) % 2**31
+    request.node.user_properties.append(("seed", SEED))
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def torch_gen(rng):
+    if torch is None:
+        pytest.skip("torch is not installed")
+    g = torch.Generator()
+    g.manual_seed(int(rng.integers(2**31)))
+    return g
+
+
+def pytest_runtest_makereport(item, call):
+    if call.when == "call" and call.excinfo is not None:
+        item.add_report_section("call", "seed", f"LEANSTEP_TEST_SEED={SEED}")
