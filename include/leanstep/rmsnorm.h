@@ -1,0 +1,131 @@
+// RMSNorm over the last dimension: fused forward/backward, a frozen-weight
+// backward that skips the weight gradient, and feature delegation (which calls
+// may take the frozen direct path, and why not).
+//
+//   r  = 1 / sqrt(mean(x^2) + eps)         per row, fp32 statistics, saved as rstd
+//   g  = gamma, or 1 + gamma (zero-centered gamma)
+//   y  = cast(x * r * g)                    "scale then cast" (default)
+//   y  = cast(g * cast_x(x * r))            "cast then scale" (HF Llama / Qwen3)
+//   dx = r * (g*dy - xhat * mean(g*dy*xhat)),  xhat = x * r
+//   dgamma = sum over rows of dy * xhat     (only when asked)
+//
+// All outputs are caller-allocated views. Tensors must be contiguous.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "leanstep/core.h"
+
+namespace leanstep::rmsnorm {
+
+enum class RoundingOrder : uint8_t {
+  kScaleThenCast,  // y = cast(x*r*g) in fp32, one rounding (TE, torch rms_norm, Gemma, Qwen3-Next)
+  kCastThenScale,  // y = g * cast_x(x*r), two roundings (HF Llama / Qwen3, apex)
+};
+const char* rounding_name(RoundingOrder order);  // "scale_then_cast" / "cast_then_scale"
+RoundingOrder rounding_from_name(const std::string& name);
+
+struct Options {
+  double eps = 1e-6;                  // must be finite and >= 0; used as fp32
+  bool zero_centered_gamma = false;   // g = 1 + gamma (gamma itself is never rewritten)
+  RoundingOrder rounding = RoundingOrder::kScaleThenCast;  // forward only
+};
+
+// ---------------------------------------------------------------- kernels
+//
+// x: [..., H] fp32/fp16/bf16; gamma: [H] fp32/fp16/bf16; y: shape of x,
+// fp32/fp16/bf16 (x's dtype or any requested one); rstd: fp32 with one element
+// per row (any shape). H must be > 0; zero rows is a no-op.
+// y may be exactly x (same memory and dtype) for an in-place norm; any other
+// overlap between arguments is rejected.
+
+// Obvious per-row scalar code, single thread: the oracle of semantics and the
+// benchmark baseline.
+void forward_reference(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,
+                       const Options& options = {});
+// Fused SIMD kernel (Highway), parallel over fixed row chunks.
+void forward_fused(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,
+                   const Options& options = {});
+
+// dy: shape of x, fp32/fp16/bf16; rstd as saved by forward; dx: shape of x
+// (x's dtype normally). dgamma: nullptr for a frozen weight (no dgamma memory is
+// touched and no cross-row work is done), else a [H] fp32/fp16/bf16 output that
+// is overwritten with sum_rows dy*xhat. dx may be exactly dy or x.
+// The fused trainable dgamma is deterministic: per fixed row chunk partial sums
+// combined by a fixed pairwise tree, independent of the thread count.
+void backward_reference(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
+                        const Tensor& dx, const Tensor* dgamma, const Options& options = {});
+void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
+                    const Tensor& dx, const Tensor* dgamma, const Options& options = {});
+
+// ---------------------------------------------------------------- feature delegation
+//
+// A call describes its context. The frozen direct path is taken only when the
+// weight does not require a gradient and no feature below is on; otherwise the
+// general path runs. Weight, eps and gamma convention are identical on both.
+struct CallContext {
+  bool weight_requires_grad = true;
+  bool fp8_output = false;            // output quantized to FP8 by the caller's recipe
+  bool autocast = false;              // autocast changes dtypes around the op
+  bool activation_offload = false;    // saved activations offloaded to host memory
+  bool debug_hooks = false;           // forward/backward hooks or inspection tools attached
+  bool compiled_or_captured = false;  // torch.compile / graph capture
+  bool user_subclass = false;         // a user subclass overrides forward
+};
+
+enum class Path : uint8_t { kFrozenFused, kGeneral };
+inline constexpr int kNumPaths = 2;
+const char* path_name(Path path);  // "frozen_fused" / "general"
+
+// Why a call took its path. kTaken means the frozen path was taken; every
+// other value is a reason the frozen path was declined.
+enum class Reason : uint8_t {
+  kTaken,
+  kWeightRequiresGrad,
+  kFp8Output,
+  kAutocast,
+  kActivationOffload,
+  kDebugHooks,
+  kCompiledOrCaptured,
+  kUserSubclass,
+};
+inline constexpr int kNumReasons = 8;
+const char* reason_name(Reason reason);  // "taken", "weight_requires_grad", "fp8_output", ...
+
+struct Decision {
+  Path path = Path::kGeneral;
+  Reason reason = Reason::kWeightRequiresGrad;  // the first active decline reason, or kTaken
+  uint32_t decline_mask = 0;                    // bit (1 << Reason) for EVERY active decline reason
+  std::string explain() const;                  // "general: weight_requires_grad, autocast"
+};
+
+// The guard: pure function of the context (usable by a dispatch registry).
+Decision decide(const CallContext& context);
+
+// Routed entry points: decide, record, run. The frozen path runs the fused
+// kernels without dgamma; the general path runs the same fused kernels
+// (trainable backward when the weight requires grad, so dgamma must be given
+// then and only then). Results are bitwise identical on both paths.
+Decision forward(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,
+                 const Options& options, const CallContext& context);
+Decision backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
+                  const Tensor& dx, const Tensor* dgamma, const Options& options,
+                  const CallContext& context);
+
+// Per-path call counts and decline reasons since the last reset (process-wide,
+// thread-safe). A call declined for several reasons counts once per reason.
+struct PathStats {
+  uint64_t forward_calls[kNumPaths] = {};
+  uint64_t backward_calls[kNumPaths] = {};
+  uint64_t declines[kNumReasons] = {};  // declines[kTaken] stays 0
+  uint64_t calls(Path path) const {
+    return forward_calls[static_cast<int>(path)] + backward_calls[static_cast<int>(path)];
+  }
+  uint64_t declined(Reason reason) const { return declines[static_cast<int>(reason)]; }
+  std::string describe() const;  // a few readable lines
+};
+PathStats path_stats();
+void reset_path_stats();
+
+}  // namespace leanstep::rmsnorm

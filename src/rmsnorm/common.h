@@ -1,0 +1,36 @@
+// Internal helpers shared by the reference and fused RMSNorm: argument
+// validation (one place, so both implementations reject the same inputs) and
+// the gamma preparation.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "leanstep/rmsnorm.h"
+
+namespace leanstep::rmsnorm::detail {
+
+struct RowShape {
+  int64_t rows = 0;    // product of the leading dims
+  int64_t hidden = 0;  // H, the last dim
+};
+
+RowShape check_forward(const char* where, const Tensor& x, const Tensor& gamma, const Tensor& y,
+                       const Tensor& rstd, const Options& options);
+RowShape check_backward(const char* where, const Tensor& dy, const Tensor& x, const Tensor& rstd,
+                        const Tensor& gamma, const Tensor& dx, const Tensor* dgamma,
+                        const Options& options);
+
+// The effective weight in fp32: gamma, or 1 + gamma (computed in fp32).
+std::vector<float> effective_gamma(const Tensor& gamma, bool zero_centered);
+
+// Rows per chunk of the parallel loops: depends on H only (never on the thread
+// count), so the trainable dgamma's chunk partials and their reduction tree are
+// fixed for a given shape. About 256K elements per chunk keeps the partials small.
+inline int64_t rows_per_chunk(int64_t hidden) {
+  const int64_t target = int64_t{1} << 18;
+  const int64_t rows = target / hidden;
+  return rows < 1 ? 1 : rows;
+}
+
+}  // namespace leanstep::rmsnorm::detail
