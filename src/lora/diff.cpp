@@ -1,0 +1,190 @@
+// Reading per-rank layouts (plans or framework dumps) and comparing them.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <tuple>
+#include <unordered_map>
+
+#include "leanstep/lora.h"
+
+namespace leanstep::lora {
+namespace {
+
+using nlohmann::json;
+using RankKey = std::tuple<int64_t, int64_t, int64_t>;
+
+[[noreturn]] void bad(std::string_view source, const std::string& what) {
+  throw Error(fmt::format("lora layout {}: {}", source, what));
+}
+
+int64_t rank_index(const json& rank, const char* key, std::string_view source, size_t i) {
+  if (!rank.contains(key)) return 0;
+  const json& v = rank[key];
+  if (!v.is_number_integer() || v.get<int64_t>() < 0)
+    bad(source, fmt::format("ranks[{}].{} must be an integer >= 0 (got {})", i, key, v.dump()));
+  return v.get<int64_t>();
+}
+
+std::string rank_label(const RankKey& k) {
+  return fmt::format("rank (pp_stage {}, tp_rank {}, ep_rank {})", std::get<0>(k), std::get<1>(k), std::get<2>(k));
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+}  // namespace
+
+std::vector<RankLayout> read_rank_layouts(const json& doc, std::string_view source) {
+  const json* ranks = &doc;
+  if (doc.is_object()) {
+    if (!doc.contains("ranks")) bad(source, "key 'ranks' is missing (expected {\"ranks\": [{\"layout\": [...]}, ...]})");
+    ranks = &doc["ranks"];
+  }
+  if (!ranks->is_array()) bad(source, "'ranks' must be a list of ranks");
+  std::vector<RankLayout> out;
+  std::set<RankKey> seen;
+  for (size_t i = 0; i < ranks->size(); ++i) {
+    const json& rk = (*ranks)[i];
+    if (!rk.is_object()) bad(source, fmt::format("ranks[{}] must be an object", i));
+    RankLayout r;
+    r.pp_stage = rank_index(rk, "pp_stage", source, i);
+    r.tp_rank = rank_index(rk, "tp_rank", source, i);
+    r.ep_rank = rank_index(rk, "ep_rank", source, i);
+    if (!seen.insert({r.pp_stage, r.tp_rank, r.ep_rank}).second)
+      bad(source, fmt::format("ranks[{}] repeats {}", i, rank_label({r.pp_stage, r.tp_rank, r.ep_rank})));
+    if (!rk.contains("layout") || !rk["layout"].is_array())
+      bad(source, fmt::format("ranks[{}].layout is missing or not a list", i));
+    std::set<std::string> names;
+    for (size_t j = 0; j < rk["layout"].size(); ++j) {
+      const json& t = rk["layout"][j];
+      std::string where = fmt::format("ranks[{}].layout[{}]", i, j);
+      if (!t.is_object() || !t.contains("name") || !t["name"].is_string())
+        bad(source, where + ".name is missing or not a string");
+      TensorSpec spec;
+      spec.name = t["name"].get<std::string>();
+      if (!t.contains("shape") || !t["shape"].is_array()) bad(source, where + ".shape is missing or not a list");
+      for (const json& d : t["shape"]) {
+        if (!d.is_number_integer() || d.get<int64_t>() < 0)
+          bad(source, fmt::format("{}.shape must hold integers >= 0 (got {})", where, t["shape"].dump()));
+        spec.shape.push_back(d.get<int64_t>());
+      }
+      if (!t.contains("dtype") || !t["dtype"].is_string()) bad(source, where + ".dtype is missing or not a string");
+      std::string dtype = t["dtype"].get<std::string>();
+      if (dtype.rfind("torch.", 0) == 0) dtype = dtype.substr(6);  // str(torch.bfloat16)
+      try {
+        spec.dtype = dtype_from_name(dtype);
+      } catch (const Error&) {
+        bad(source, fmt::format("{}.dtype '{}' is not a known dtype", where, t["dtype"].get<std::string>()));
+      }
+      if (!names.insert(spec.name).second)
+        bad(source, fmt::format("{} repeats tensor name '{}'", where, spec.name));
+      r.layout.push_back(std::move(spec));
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+std::vector<RankLayout> load_rank_layouts(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw Error(fmt::format("lora layout {}: cannot open the file", path));
+  json doc;
+  try {
+    doc = json::parse(in);
+  } catch (const json::parse_error& e) {
+    throw Error(fmt::format("lora layout {}: not valid JSON ({})", path, e.what()));
+  }
+  return read_rank_layouts(doc, path);
+}
+
+LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<RankLayout>& b, std::string_view a_label,
+                        std::string_view b_label, int64_t max_lines_per_rank) {
+  std::map<RankKey, const RankLayout*> ra, rb;
+  for (const RankLayout& r : a) ra[{r.pp_stage, r.tp_rank, r.ep_rank}] = &r;
+  for (const RankLayout& r : b) rb[{r.pp_stage, r.tp_rank, r.ep_rank}] = &r;
+  std::set<RankKey> keys;
+  for (auto& [k, _] : ra) keys.insert(k);
+  for (auto& [k, _] : rb) keys.insert(k);
+
+  LayoutDiff diff;
+  diff.ranks_compared = static_cast<int64_t>(keys.size());
+  for (const RankKey& key : keys) {
+    const std::string label = rank_label(key);
+    std::vector<std::string> lines;
+    auto ita = ra.find(key), itb = rb.find(key);
+    if (ita == ra.end() || itb == rb.end()) {
+      bool in_a = ita != ra.end();
+      const RankLayout& present = in_a ? *ita->second : *itb->second;
+      lines.push_back(fmt::format("{}: missing in {} ({} has {} tensors)", label, in_a ? b_label : a_label,
+                                  in_a ? a_label : b_label, present.layout.size()));
+    } else {
+      const auto& la = ita->second->layout;
+      const auto& lb = itb->second->layout;
+      std::unordered_map<std::string, size_t> pos_a, pos_b;
+      for (size_t i = 0; i < la.size(); ++i) pos_a[la[i].name] = i;
+      for (size_t i = 0; i < lb.size(); ++i) pos_b[lb[i].name] = i;
+      // A name only in A whose position in B holds a name only in B, with the
+      // same shape and dtype, is a rename; the rest are missing or extra.
+      std::set<size_t> renamed_b;
+      for (size_t i = 0; i < la.size(); ++i) {
+        if (pos_b.count(la[i].name)) continue;
+        if (i < lb.size() && !pos_a.count(lb[i].name) && lb[i].shape == la[i].shape && lb[i].dtype == la[i].dtype) {
+          renamed_b.insert(i);
+          lines.push_back(fmt::format("{}: renamed tensor {} -> {} (position {}, {} {})", label, la[i].name, lb[i].name,
+                                      i, shape_text(la[i].shape), dtype_name(la[i].dtype)));
+        } else {
+          lines.push_back(fmt::format("{}: tensor {} {} {} is in {} only", label, la[i].name, shape_text(la[i].shape),
+                                      dtype_name(la[i].dtype), a_label));
+        }
+      }
+      for (size_t i = 0; i < lb.size(); ++i) {
+        if (pos_a.count(lb[i].name) || renamed_b.count(i)) continue;
+        lines.push_back(fmt::format("{}: tensor {} {} {} is in {} only", label, lb[i].name, shape_text(lb[i].shape),
+                                    dtype_name(lb[i].dtype), b_label));
+      }
+      std::vector<std::string> common_a, common_b;
+      for (const TensorSpec& t : la) {
+        auto it = pos_b.find(t.name);
+        if (it == pos_b.end()) continue;
+        common_a.push_back(t.name);
+        const TensorSpec& u = lb[it->second];
+        if (t.shape != u.shape)
+          lines.push_back(fmt::format("{}: tensor {} changed shape {} -> {}", label, t.name, shape_text(t.shape),
+                                      shape_text(u.shape)));
+        if (t.dtype != u.dtype)
+          lines.push_back(fmt::format("{}: tensor {} changed dtype {} -> {}", label, t.name, dtype_name(t.dtype),
+                                      dtype_name(u.dtype)));
+      }
+      // Registration order is the gradient buffer's order: a permutation changes the layout.
+      for (const TensorSpec& t : lb)
+        if (pos_a.count(t.name)) common_b.push_back(t.name);
+      for (size_t i = 0; i < common_a.size(); ++i) {
+        if (common_a[i] != common_b[i]) {
+          lines.push_back(fmt::format("{}: registration order differs: {} is followed by {} in {} but by {} in {}",
+                                      label, i ? common_a[i - 1] : "(start)", common_a[i], a_label, common_b[i],
+                                      b_label));
+          break;
+        }
+      }
+    }
+    if (lines.empty()) continue;
+    ++diff.ranks_differing;
+    diff.count += static_cast<int64_t>(lines.size());
+    int64_t shown = 0;
+    for (auto& line : lines) {
+      if (shown == max_lines_per_rank) {
+        diff.differences.push_back(fmt::format("{}: ... and {} more differences", label,
+                                               static_cast<int64_t>(lines.size()) - shown));
+        break;
+      }
+      diff.differences.push_back(std::move(line));
+      ++shown;
+    }
+  }
+  return diff;
+}
+
+}  // namespace leanstep::lora
