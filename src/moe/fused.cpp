@@ -1,0 +1,173 @@
+// The fused MoE paths: a counting sort instead of a comparison sort.
+//
+// permute: one parallel pass counts, per chunk of tokens, the routed pairs of
+// every expert; prefix sums over (expert, chunk) give each chunk its first
+// slot in every expert's segment, so a second parallel pass writes
+// sorted_indices in exactly the stable-sort order; a third gathers the rows
+// (parallel over output rows). The declared row count is checked after the
+// counting pass, before anything is written.
+//
+// unpermute: a counting sort of sorted_indices by token gives every token its
+// slots in increasing slot order (the order the reference scatter-adds them);
+// tokens are then reduced in parallel, each into an fp32 row, cast once.
+// Chunk boundaries depend only on the sizes, so results never depend on threads.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "core/parallel.h"
+#include "moe/common.h"
+
+namespace leanstep::moe::detail {
+
+using leanstep::detail::num_chunks;
+using leanstep::detail::parallel_chunks;
+
+namespace {
+
+constexpr int64_t kTokenChunk = 256;  // tokens per counting chunk
+constexpr int64_t kRowChunk = 16;     // output rows per gather/reduce chunk
+
+}  // namespace
+
+void permute_fused(const PermuteProblem& p) {
+  const int64_t T = p.T, E = p.E;
+  const int64_t chunks = num_chunks(T, kTokenChunk);
+  // routed_counts[c * E + e]: routed pairs of expert e among the tokens of chunk c.
+  std::vector<int64_t> routed_counts(static_cast<size_t>(chunks * E), 0);
+  parallel_chunks(T, kTokenChunk, [&](int64_t c, int64_t begin, int64_t end) {
+    int64_t* counts = routed_counts.data() + c * E;
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* row = p.map + t * E;
+      for (int64_t e = 0; e < E; ++e) counts[e] += row[e] != 0;
+    }
+  });
+
+  // Expert totals and each (chunk, expert)'s first slot. With drop_and_pad, an expert's
+  // unrouted tokens follow its routed ones (the stable descending sort of its 0/1 row).
+  std::vector<int64_t> expert_routed(static_cast<size_t>(E), 0);
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t e = 0; e < E; ++e) expert_routed[static_cast<size_t>(e)] += routed_counts[static_cast<size_t>(c * E + e)];
+  int64_t routed_total = 0;
+  for (int64_t e = 0; e < E; ++e) routed_total += expert_routed[static_cast<size_t>(e)];
+  if (!p.drop_and_pad && routed_total > p.N)
+    throw_arg_error("permute", "num_out_tokens",
+                    fmt::format("must be >= the number of routed (token, expert) pairs (got {}, routed {})",
+                                p.N, routed_total));
+
+  // routed_base / unrouted_base: slot (relative to the expert's segment start) of the chunk's
+  // first routed / unrouted token for that expert; segment_start: the expert's first slot.
+  std::vector<int64_t> routed_base(static_cast<size_t>(chunks * E)), unrouted_base(static_cast<size_t>(chunks * E));
+  std::vector<int64_t> segment_start(static_cast<size_t>(E));
+  {
+    int64_t start = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      segment_start[static_cast<size_t>(e)] = p.drop_and_pad ? e * p.capacity : start;
+      start += expert_routed[static_cast<size_t>(e)];
+      int64_t routed_before = 0, unrouted_before = 0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const size_t ce = static_cast<size_t>(c * E + e);
+        routed_base[ce] = routed_before;
+        unrouted_base[ce] = expert_routed[static_cast<size_t>(e)] + unrouted_before;
+        const int64_t chunk_tokens = std::min(T, (c + 1) * kTokenChunk) - c * kTokenChunk;
+        routed_before += routed_counts[ce];
+        unrouted_before += chunk_tokens - routed_counts[ce];
+      }
+    }
+  }
+
+  // Slot experts (for the probs gather) live beside the indices during the fill.
+  std::vector<int64_t> slot_expert(static_cast<size_t>(p.N), -1);
+  const int64_t limit = p.drop_and_pad ? p.capacity : p.N;  // slots an expert may use
+  parallel_chunks(T, kTokenChunk, [&](int64_t c, int64_t begin, int64_t end) {
+    std::vector<int64_t> next_routed(routed_base.begin() + c * E, routed_base.begin() + (c + 1) * E);
+    std::vector<int64_t> next_unrouted(unrouted_base.begin() + c * E, unrouted_base.begin() + (c + 1) * E);
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* row = p.map + t * E;
+      for (int64_t e = 0; e < E; ++e) {
+        int64_t rel;
+        if (row[e]) rel = next_routed[static_cast<size_t>(e)]++;
+        else if (p.drop_and_pad) rel = next_unrouted[static_cast<size_t>(e)]++;
+        else continue;
+        if (rel >= limit) continue;  // dropped beyond capacity (drop_and_pad only)
+        const int64_t slot = segment_start[static_cast<size_t>(e)] + rel;
+        p.indices.set(slot, t);
+        slot_expert[static_cast<size_t>(slot)] = e;
+      }
+    }
+  });
+  // Plain path with more declared rows than routed pairs: the tail has no source.
+  if (!p.drop_and_pad)
+    for (int64_t i = routed_total; i < p.N; ++i) p.indices.set(i, -1);
+
+  parallel_chunks(p.N, kRowChunk, [&](int64_t, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = p.indices.get(i);
+      char* dst = p.permuted + static_cast<size_t>(i) * p.row_bytes;
+      char* dst_prob = p.permuted_probs ? p.permuted_probs + static_cast<size_t>(i) * p.prob_bytes : nullptr;
+      if (t < 0) {
+        std::memset(dst, 0, p.row_bytes);
+        if (dst_prob) std::memset(dst_prob, 0, p.prob_bytes);
+        continue;
+      }
+      std::memcpy(dst, p.tokens + static_cast<size_t>(t) * p.row_bytes, p.row_bytes);
+      if (dst_prob)
+        std::memcpy(dst_prob, p.probs + static_cast<size_t>(t * E + slot_expert[static_cast<size_t>(i)]) * p.prob_bytes,
+                    p.prob_bytes);
+    }
+  });
+}
+
+void unpermute_fused(const UnpermuteProblem& p) {
+  const int64_t T = p.T, H = p.H, N = p.N;
+  // Counting sort of the slots by token: token_slots[token_start[t] .. token_start[t+1]) are
+  // t's slots in increasing slot order.
+  std::vector<int64_t> token_start(static_cast<size_t>(T + 1), 0);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t t = p.indices.get(i);
+    if (t >= 0) ++token_start[static_cast<size_t>(t + 1)];
+  }
+  for (int64_t t = 0; t < T; ++t) token_start[static_cast<size_t>(t + 1)] += token_start[static_cast<size_t>(t)];
+  std::vector<int64_t> token_slots(static_cast<size_t>(token_start[static_cast<size_t>(T)]));
+  {
+    std::vector<int64_t> next(token_start.begin(), token_start.end() - 1);
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t t = p.indices.get(i);
+      if (t >= 0) token_slots[static_cast<size_t>(next[static_cast<size_t>(t)]++)] = i;
+    }
+  }
+
+  const size_t elem = dtype_size(p.dtype);
+  const bool is_f32 = p.dtype == DType::kFloat32;
+  parallel_chunks(T, kRowChunk, [&](int64_t, int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(H)), row(is_f32 ? 0 : static_cast<size_t>(H));
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);  // +0, as the reference's accumulators
+      for (int64_t s = token_start[static_cast<size_t>(t)]; s < token_start[static_cast<size_t>(t + 1)]; ++s) {
+        const int64_t i = token_slots[static_cast<size_t>(s)];
+        const char* src = p.permuted + static_cast<size_t>(i * H) * elem;
+        const float* x;
+        if (is_f32) {
+          x = reinterpret_cast<const float*>(src);
+        } else {
+          convert_to_f32(src, p.dtype, row.data(), H);
+          x = row.data();
+        }
+        const float prob = p.slot_probs ? p.slot_probs[i] : 1.0f;
+        float* a = acc.data();
+        for (int64_t h = 0; h < H; ++h) a[h] += x[h] * prob;
+      }
+      convert_from_f32(acc.data(), p.out + static_cast<size_t>(t * H) * elem, p.dtype, H);
+    }
+  });
+}
+
+void unpermute_backward_fused(const UnpermuteBackwardProblem& p) {
+  parallel_chunks(p.N, kRowChunk, [&](int64_t, int64_t begin, int64_t end) {
+    std::vector<float> scratch(static_cast<size_t>(2 * p.H));
+    for (int64_t i = begin; i < end; ++i) unpermute_backward_row(p, i, scratch.data());
+  });
+}
+
+}  // namespace leanstep::moe::detail
