@@ -19,9 +19,10 @@
 //  - Presets: "baseline" (reference everywhere), "all" (every fast path) or a
 //    comma-separated subset of op names or op groups ("rmsnorm,grad.clip").
 //  - Thread safety: install/uninstall/preset switches may race with calls. Each
-//    op publishes an immutable snapshot of its candidates through
-//    std::atomic<std::shared_ptr>; a call works on one snapshot from start to
-//    end, so it never sees a half-installed state. Mutations are serialised.
+//    op publishes an immutable snapshot of its candidates (a shared_ptr swapped
+//    under a short lock, see SnapshotCell); a call works on one snapshot from
+//    start to end, so it never sees a half-installed state. Mutations are
+//    serialised.
 #pragma once
 
 #include <atomic>
@@ -196,6 +197,30 @@ struct Snapshot {
 };
 void count_call(ImplStats* stats);
 void count_reason(ImplStats* stats, const char* reason);
+
+// Holds the current snapshot. A call copies the shared_ptr (one short critical
+// section) and keeps the snapshot alive while it runs; a publisher swaps in a
+// new one. This is what std::atomic<std::shared_ptr> does in libstdc++ 12 (an
+// internal lock bit), but with a std::mutex that ThreadSanitizer understands;
+// the old snapshot is released outside the lock.
+class SnapshotCell {
+ public:
+  std::shared_ptr<const Snapshot> load() const {
+    std::lock_guard lock(mutex_);
+    return current_;
+  }
+  void store(std::shared_ptr<const Snapshot> next) {
+    {
+      std::lock_guard lock(mutex_);
+      current_.swap(next);
+    }
+    // `next` now holds the previous snapshot; dropped here, after the lock.
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::shared_ptr<const Snapshot> current_;
+};
 }  // namespace detail
 
 // The type-independent part of an op slot: names, the installed stack, the
@@ -240,9 +265,7 @@ class OpBase {
   InstallResult install_record(std::string_view impl_name, GenericFn fn, GenericFn guard,
                                std::string guard_doc, std::string origin);
 
-  std::shared_ptr<const detail::Snapshot> snapshot() const {
-    return snapshot_.load(std::memory_order_acquire);
-  }
+  std::shared_ptr<const detail::Snapshot> snapshot() const { return snapshot_.load(); }
   GenericFn reference_fn() const { return reference_; }
   detail::ImplStats* reference_stats() const { return reference_stats_.get(); }
 
@@ -270,7 +293,7 @@ class OpBase {
   std::vector<Record*> stack_;                   // installed, oldest first
   bool enabled_ = true;
   std::string preset_name_;
-  std::atomic<std::shared_ptr<const detail::Snapshot>> snapshot_;
+  detail::SnapshotCell snapshot_;
 };
 
 // A typed op slot. Calling it runs the first installed implementation whose

@@ -99,7 +99,7 @@ void OpBase::publish() {
     for (auto it = stack_.rbegin(); it != stack_.rend(); ++it)
       snap->candidates.push_back({(*it)->fn, (*it)->guard, (*it)->stats.get()});
   }
-  snapshot_.store(std::move(snap), std::memory_order_release);
+  snapshot_.store(std::move(snap));
 }
 
 InstallResult OpBase::install_record(std::string_view impl_name, GenericFn fn, GenericFn guard,
