@@ -6,12 +6,16 @@ used zero-copy; in-place operations write into the caller's memory; results
 come back in the framework of the inputs (torch in, torch out) or go into
 ``out=`` arrays. bf16 comes through torch tensors. Errors from the library are
 raised as :class:`leanstep.Error` (a ``ValueError``) with the library's message.
+
+Submodules: ``leanstep.torch`` (autograd-aware modules and functions) and
+``leanstep.megatron`` (install the fast paths into Megatron-Core).
 """
 
 from . import _leanstep
 from ._leanstep import Error, counters, data_ptr, describe, num_threads, read_scalar
 from ._leanstep import reset_counters, set_num_threads
 
+Error.__module__ = "leanstep"
 __version__ = _leanstep.__version__
 
 #: Areas of the C++ library compiled into this build.
@@ -28,3 +32,19 @@ __all__ = [
     "reset_counters",
     "set_num_threads",
 ]
+
+if "grad" in areas:
+    from ._grad import *  # noqa: F401,F403
+    from ._grad import __all__ as _grad_all
+
+    __all__ += _grad_all
+if "rmsnorm" in areas:
+    from ._rmsnorm import *  # noqa: F401,F403
+    from ._rmsnorm import __all__ as _rmsnorm_all
+
+    __all__ += _rmsnorm_all
+if "moe" in areas:
+    from ._moe import *  # noqa: F401,F403
+    from ._moe import __all__ as _moe_all
+
+    __all__ += _moe_all

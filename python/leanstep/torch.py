@@ -1,0 +1,302 @@
+"""Autograd-aware leanstep for PyTorch.
+
+- :class:`RMSNorm`: a drop-in for ``torch.nn.RMSNorm`` (same constructor,
+  parameters and state_dict). When its weight does not require a gradient and
+  no feature needs the general path, it takes leanstep's frozen direct path
+  (fused forward, backward computing dx only). A trainable weight runs the
+  leanstep fused kernels with the weight gradient. Autocast, hooks,
+  torch.compile, saved-tensor hooks (activation offload), a subclass that
+  overrides forward, non-CPU tensors or unsupported dtypes delegate to
+  ``torch.nn.RMSNorm.forward`` unchanged ("feature delegation").
+- :func:`rms_norm`, :func:`permute`, :func:`unpermute`,
+  :func:`sort_chunks_by_idxs`: autograd functions over the leanstep kernels.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from . import _leanstep
+from ._moe import (
+    moe_permute,
+    moe_permute_backward,
+    moe_permute_probs_backward,
+    moe_unpermute,
+    moe_unpermute_backward,
+    sort_chunks_by_idxs as _sort_chunks_by_idxs,
+)
+
+__all__ = ["RMSNorm", "rms_norm", "permute", "unpermute", "sort_chunks_by_idxs"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """y = rms_norm(x, weight); backward gives dx, and dweight only when the
+    weight needs a gradient (the frozen path does no cross-row reduction)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, zero_centered_gamma, rounding, context):
+        y = torch.empty_like(x)
+        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        _leanstep.rmsnorm_forward_routed(x, weight, y, rstd, eps, zero_centered_gamma, rounding,
+                                         **context)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.zero_centered_gamma = zero_centered_gamma
+        ctx.context = context
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        need_weight_grad = ctx.needs_input_grad[1]
+        dx = torch.empty_like(x)
+        dweight = torch.empty_like(weight) if need_weight_grad else None
+        context = dict(ctx.context, weight_requires_grad=need_weight_grad)
+        _leanstep.rmsnorm_backward_routed(dy.contiguous(), x, rstd, weight, dx, dweight, 0.0,
+                                          ctx.zero_centered_gamma, **context)
+        return dx, dweight, None, None, None, None
+
+
+def _no_features():
+    return dict(fp8_output=False, autocast=False, activation_offload=False, debug_hooks=False,
+                compiled_or_captured=False, user_subclass=False)
+
+
+def rms_norm(x, weight, eps=1e-6, zero_centered_gamma=False, rounding="scale_then_cast"):
+    """Autograd-aware leanstep RMSNorm over the last dim (CPU tensors,
+    fp32/fp16/bf16). The weight gradient is computed only if the weight
+    requires grad."""
+    x = x.contiguous()
+    wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    context = dict(_no_features(), weight_requires_grad=bool(
+        torch.is_grad_enabled() and weight.requires_grad))
+    if not wants_grad:
+        y = torch.empty_like(x)
+        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        _leanstep.rmsnorm_forward_routed(x.detach(), weight.detach(), y, rstd, float(eps),
+                                         zero_centered_gamma, rounding, **context)
+        return y
+    return _RMSNormFunction.apply(x, weight, float(eps), zero_centered_gamma, rounding, context)
+
+
+def _activation_offload_active():
+    # Saved-tensor hooks (activation offload / checkpointing to host) would not
+    # see what a custom Function saves the same way: delegate.
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    except (AttributeError, TypeError):
+        return False
+
+
+def _compiling():
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:
+        return False
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """Drop-in for ``torch.nn.RMSNorm`` (same arguments, parameters and
+    state_dict), computing ``y = cast(x * rstd * g)`` in fp32 like torch.
+
+    Extra keyword-only arguments: ``zero_centered_gamma`` (g = 1 + weight, the
+    Qwen3-Next / "layernorm 1p" convention; the weight itself is stored as is)
+    and ``rounding`` ("scale_then_cast", torch's order, or "cast_then_scale",
+    HF Llama's). ``last_decision`` holds the path of the latest call:
+    ``{"path": "frozen_fused" | "general" | "torch", "reason": ...}``."""
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None,
+                 dtype=None, *, zero_centered_gamma=False, rounding="scale_then_cast"):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine,
+                         device=device, dtype=dtype)
+        self.zero_centered_gamma = zero_centered_gamma
+        self.rounding = rounding
+        self.last_decision = None
+        if zero_centered_gamma and self.weight is not None:
+            with torch.no_grad():
+                self.weight.zero_()  # g = 1 + 0: the identity scale, like ones for plain gamma
+
+    @classmethod
+    def from_torch(cls, norm, *, zero_centered_gamma=False, rounding="scale_then_cast"):
+        """A leanstep RMSNorm sharing ``norm``'s weight Parameter (no copy)."""
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.normalized_shape = tuple(norm.normalized_shape)
+        new.eps = norm.eps
+        new.elementwise_affine = norm.elementwise_affine
+        new.weight = norm.weight if norm.elementwise_affine else None
+        if not norm.elementwise_affine:
+            new.register_parameter("weight", None)
+        new.zero_centered_gamma = zero_centered_gamma
+        new.rounding = rounding
+        new.last_decision = None
+        return new
+
+    def extra_repr(self):
+        extra = super().extra_repr()
+        if self.zero_centered_gamma:
+            extra += ", zero_centered_gamma=True"
+        if self.rounding != "scale_then_cast":
+            extra += f", rounding={self.rounding}"
+        return extra
+
+    def _unsupported(self, x):
+        """Why leanstep cannot run this call at all (None if it can)."""
+        w = self.weight
+        if w is None:
+            return "no_weight"
+        if len(self.normalized_shape) != 1:
+            return "multi_dim_normalized_shape"
+        if x.device.type != "cpu" or w.device.type != "cpu":
+            return "device"
+        if x.dtype not in _FLOAT_DTYPES or w.dtype not in _FLOAT_DTYPES:
+            return "dtype"
+        if x.dim() == 0 or x.shape[-1] != self.normalized_shape[0]:
+            return "shape"  # torch raises its own error
+        return None
+
+    def _context(self):
+        hooks = bool(self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
+                     or self._backward_pre_hooks or torch.nn.modules.module._global_forward_hooks
+                     or torch.nn.modules.module._global_forward_pre_hooks
+                     or torch.nn.modules.module._global_backward_hooks
+                     or torch.nn.modules.module._global_backward_pre_hooks)
+        return dict(
+            weight_requires_grad=bool(torch.is_grad_enabled() and self.weight.requires_grad),
+            fp8_output=False,
+            autocast=torch.is_autocast_enabled("cpu"),
+            activation_offload=_activation_offload_active(),
+            debug_hooks=hooks,
+            compiled_or_captured=_compiling(),
+            user_subclass=type(self).forward is not RMSNorm.forward,
+        )
+
+    def forward(self, x):
+        if self.zero_centered_gamma or self.rounding != "scale_then_cast":
+            delegate_ok = False  # torch has neither convention: leanstep must run
+        else:
+            delegate_ok = True
+        unsupported = self._unsupported(x)
+        if unsupported is not None:
+            if not delegate_ok:
+                raise ValueError(f"leanstep RMSNorm with zero_centered_gamma/rounding options "
+                                 f"cannot run this call ({unsupported})")
+            self.last_decision = {"path": "torch", "reason": unsupported}
+            return super().forward(x)
+        context = self._context()
+        decision = _leanstep.rmsnorm_decide(**context)
+        general_features = dict(context, weight_requires_grad=False)
+        feature_declined = _leanstep.rmsnorm_decide(**general_features)["path"] != "frozen_fused"
+        if feature_declined and delegate_ok:
+            # A feature leanstep does not model (autocast, hooks, compile,
+            # offload, subclass): the original torch path runs.
+            self.last_decision = {"path": "torch", "reason": decision["explain"]}
+            return super().forward(x)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        self.last_decision = {"path": decision["path"], "reason": decision["reason"]}
+        x = x.contiguous()
+        if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            y = torch.empty_like(x)
+            rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+            _leanstep.rmsnorm_forward_routed(x.detach(), self.weight.detach(), y, rstd, float(eps),
+                                             self.zero_centered_gamma, self.rounding, **context)
+            return y
+        return _RMSNormFunction.apply(x, self.weight, float(eps), self.zero_centered_gamma,
+                                      self.rounding, context)
+
+
+# ---------------------------------------------------------------- MoE
+
+
+class _PermuteFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens, routing_map, probs, num_out_tokens, drop_and_pad, method):
+        permuted, permuted_probs, sorted_indices = moe_permute(
+            tokens, routing_map, probs, num_out_tokens, drop_and_pad, method)
+        ctx.save_for_backward(sorted_indices, routing_map)
+        ctx.num_tokens = tokens.shape[0]
+        ctx.drop_and_pad = drop_and_pad
+        ctx.method = method
+        ctx.mark_non_differentiable(sorted_indices)
+        return permuted, permuted_probs, sorted_indices
+
+    @staticmethod
+    def backward(ctx, dpermuted, dpermuted_probs, _):
+        sorted_indices, routing_map = ctx.saved_tensors
+        dtokens = dprobs = None
+        if ctx.needs_input_grad[0]:
+            dtokens = moe_permute_backward(dpermuted.contiguous(), sorted_indices,
+                                           ctx.num_tokens, ctx.method)
+        if ctx.needs_input_grad[2] and dpermuted_probs is not None:
+            dprobs = moe_permute_probs_backward(dpermuted_probs.contiguous(), sorted_indices,
+                                                routing_map, ctx.drop_and_pad)
+        return dtokens, None, dprobs, None, None, None
+
+
+def permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=False,
+            method="fused"):
+    """Autograd-aware :func:`leanstep.moe_permute`: gradients flow to tokens
+    and probs. Returns ``(permuted, permuted_probs, sorted_indices)``."""
+    return _PermuteFunction.apply(tokens, routing_map, probs, num_out_tokens, drop_and_pad,
+                                  method)
+
+
+class _UnpermuteFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, permuted, sorted_indices, restore_shape, probs, routing_map, drop_and_pad,
+                method):
+        out = moe_unpermute(permuted, sorted_indices, restore_shape, probs, routing_map,
+                            drop_and_pad, method)
+        ctx.save_for_backward(permuted, sorted_indices, probs, routing_map)
+        ctx.drop_and_pad = drop_and_pad
+        ctx.method = method
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        permuted, sorted_indices, probs, routing_map = ctx.saved_tensors
+        need_probs = probs is not None and ctx.needs_input_grad[3]
+        dpermuted, dprobs = moe_unpermute_backward(
+            dout.contiguous(), permuted, sorted_indices, probs, routing_map, ctx.drop_and_pad,
+            ctx.method)
+        return (dpermuted if ctx.needs_input_grad[0] else None, None, None,
+                dprobs if need_probs else None, None, None, None)
+
+
+def unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_map=None,
+              drop_and_pad=False, method="fused"):
+    """Autograd-aware :func:`leanstep.moe_unpermute`: gradients flow to the
+    permuted tokens and to probs."""
+    return _UnpermuteFunction.apply(permuted, sorted_indices, tuple(restore_shape), probs,
+                                    routing_map, drop_and_pad, method)
+
+
+class _SortChunksFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, split_sizes, sorted_idxs, probs):
+        out, out_probs = _sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs)
+        ctx.save_for_backward(split_sizes, sorted_idxs)
+        return out, out_probs
+
+    @staticmethod
+    def backward(ctx, dout, dout_probs):
+        split_sizes, sorted_idxs = ctx.saved_tensors
+        # The inverse move: the output's chunks have sizes split_sizes[sorted_idxs];
+        # putting them back in order is sorting by the inverse permutation.
+        out_sizes = split_sizes.index_select(0, sorted_idxs.long())
+        inverse = torch.argsort(sorted_idxs)
+        drows = dprobs = None
+        if dout is not None and ctx.needs_input_grad[0]:
+            drows, _ = _sort_chunks_by_idxs(dout.contiguous(), out_sizes, inverse)
+        if dout_probs is not None and ctx.needs_input_grad[3]:
+            dprobs, _ = _sort_chunks_by_idxs(dout_probs.contiguous(), out_sizes, inverse)
+        return drows, None, None, dprobs
+
+
+def sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs=None):
+    """Autograd-aware :func:`leanstep.sort_chunks_by_idxs`. Returns
+    ``(output, permuted_probs)``."""
+    return _SortChunksFunction.apply(rows, split_sizes, sorted_idxs, probs)

@@ -1,0 +1,225 @@
+// The gradient engine (Plan, norm / unscale / clip / count_zeros,
+// multi_tensor_scale) and the Megatron-Core DDP buffer layout builder.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <leanstep/grad.h>
+#include <leanstep/layout.h>
+
+#include "arrays.h"
+#include "bindings.h"
+
+namespace leanstep::py {
+namespace {
+
+const Tensor* ptr(const std::optional<Tensor>& t) { return t ? &*t : nullptr; }
+
+nb::dict layout_dict(const layout::BufferLayout& b) {
+  nb::dict d;
+  d["grad_dtype"] = dtype_name(b.grad_dtype);
+  d["param_dtype"] = dtype_name(b.param_dtype);
+  d["is_expert"] = b.is_expert;
+  d["numel"] = b.numel;
+  d["numel_unpadded"] = b.numel_unpadded;
+  nb::list params;
+  for (const layout::ParamSlot& p : b.params) {
+    nb::dict s;
+    s["name"] = p.name;
+    s["shape"] = nb::tuple(nb::cast(p.shape));
+    s["param_index"] = p.param_index;
+    s["offset"] = p.offset;
+    s["numel"] = p.numel;
+    s["bucket"] = p.bucket;
+    params.append(s);
+  }
+  d["params"] = params;
+  nb::list buckets;
+  for (const layout::BucketRange& r : b.buckets)
+    buckets.append(nb::make_tuple(r.begin, r.end, r.numel_unpadded));
+  d["buckets"] = buckets;
+  d["summary"] = b.summary();
+  return d;
+}
+
+}  // namespace
+
+void bind_grad(nb::module_& m) {
+  nb::class_<grad::Plan>(m, "GradPlanCore",
+                         "The C++ plan. It holds raw pointers only: leanstep.GradPlan keeps the "
+                         "grad arrays alive alongside it.")
+      .def(
+          "__init__",
+          [](grad::Plan* self, const std::vector<OutArray>& grads,
+             const std::vector<InArray>& declared_buffers) {
+            const std::vector<Tensor> views = to_tensors(grads, "grads");
+            const std::vector<Tensor> buffers = to_tensors(declared_buffers, "buffers");
+            nb::gil_scoped_release release;
+            new (self) grad::Plan(views, buffers);
+          },
+          nb::arg("grads"), nb::arg("buffers") = std::vector<InArray>{})
+      .def_prop_ro("num_tensors", &grad::Plan::num_tensors)
+      .def_prop_ro("num_regions", &grad::Plan::num_regions)
+      .def_prop_ro("num_generic", &grad::Plan::num_generic)
+      .def_prop_ro("num_empty", &grad::Plan::num_empty)
+      .def_prop_ro("listed_bytes", &grad::Plan::listed_bytes)
+      .def_prop_ro("touched_bytes", &grad::Plan::touched_bytes)
+      .def_prop_ro("generic_aliases", &grad::Plan::generic_aliases)
+      .def("summary", &grad::Plan::summary)
+      .def_prop_ro("regions",
+                   [](const grad::Plan& p) {
+                     nb::list out;
+                     for (const grad::Region& r : p.regions())
+                       out.append(nb::make_tuple(reinterpret_cast<uintptr_t>(r.data),
+                                                 dtype_name(r.dtype), r.numel, r.multiplicity));
+                     return out;
+                   },
+                   "(address, dtype, numel, multiplicity) of each coalesced region.")
+      .def_prop_ro("generic",
+                   [](const grad::Plan& p) {
+                     nb::list out;
+                     for (const grad::GenericView& g : p.generic())
+                       out.append(nb::make_tuple(g.index, g.reason));
+                     return out;
+                   },
+                   "(list index, reason) of each view that could not join a region.")
+      .def(
+          "norm",
+          [](const grad::Plan& p, OutArray out_norm, double norm_type,
+             std::optional<OutArray> found_inf) {
+            const Tensor nt = to_tensor(out_norm, "out_norm");
+            const std::optional<Tensor> ft = to_tensor(found_inf, "found_inf");
+            nb::gil_scoped_release release;
+            grad::norm(p, nt, norm_type, ptr(ft));
+          },
+          nb::arg("out_norm"), nb::arg("norm_type") = 2.0,
+          nb::arg("found_inf").none() = nb::none())
+      .def(
+          "unscale_norm",
+          [](const grad::Plan& p, InArray inv_scale, OutArray out_norm, OutArray found_inf,
+             double norm_type) {
+            const Tensor st = to_tensor(inv_scale, "inv_scale");
+            const Tensor nt = to_tensor(out_norm, "out_norm");
+            const Tensor ft = to_tensor(found_inf, "found_inf");
+            nb::gil_scoped_release release;
+            grad::unscale_norm(p, st, nt, ft, norm_type);
+          },
+          nb::arg("inv_scale"), nb::arg("out_norm"), nb::arg("found_inf"),
+          nb::arg("norm_type") = 2.0)
+      .def(
+          "unscale_norm",
+          [](const grad::Plan& p, float inv_scale, OutArray out_norm, OutArray found_inf,
+             double norm_type) {
+            const Tensor nt = to_tensor(out_norm, "out_norm");
+            const Tensor ft = to_tensor(found_inf, "found_inf");
+            nb::gil_scoped_release release;
+            grad::unscale_norm(p, inv_scale, nt, ft, norm_type);
+          },
+          nb::arg("inv_scale"), nb::arg("out_norm"), nb::arg("found_inf"),
+          nb::arg("norm_type") = 2.0)
+      .def(
+          "clip",
+          [](const grad::Plan& p, InArray total_norm, double max_norm,
+             std::optional<OutArray> out_coeff) {
+            const Tensor nt = to_tensor(total_norm, "norm");
+            const std::optional<Tensor> ct = to_tensor(out_coeff, "out_coeff");
+            nb::gil_scoped_release release;
+            grad::clip(p, nt, max_norm, ptr(ct));
+          },
+          nb::arg("total_norm"), nb::arg("max_norm"), nb::arg("out_coeff").none() = nb::none())
+      .def(
+          "norm_clip",
+          [](const grad::Plan& p, double max_norm, OutArray out_norm, double norm_type,
+             std::optional<OutArray> found_inf, std::optional<OutArray> out_coeff) {
+            const Tensor nt = to_tensor(out_norm, "out_norm");
+            const std::optional<Tensor> ft = to_tensor(found_inf, "found_inf");
+            const std::optional<Tensor> ct = to_tensor(out_coeff, "out_coeff");
+            nb::gil_scoped_release release;
+            grad::norm_clip(p, max_norm, nt, norm_type, ptr(ft), ptr(ct));
+          },
+          nb::arg("max_norm"), nb::arg("out_norm"), nb::arg("norm_type") = 2.0,
+          nb::arg("found_inf").none() = nb::none(), nb::arg("out_coeff").none() = nb::none())
+      .def(
+          "scale",
+          [](const grad::Plan& p, InArray scale) {
+            const Tensor st = to_tensor(scale, "scale");
+            nb::gil_scoped_release release;
+            grad::scale(p, st);
+          },
+          nb::arg("scale"))
+      .def(
+          "count_zeros",
+          [](const grad::Plan& p, OutArray out_count) {
+            const Tensor ct = to_tensor(out_count, "out_count");
+            nb::gil_scoped_release release;
+            grad::count_zeros(p, ct);
+          },
+          nb::arg("out_count"));
+
+  m.def(
+      "grad_multi_tensor_scale",
+      [](const std::vector<InArray>& src, const std::vector<OutArray>& dst, InArray scale,
+         OutArray found_inf) {
+        const std::vector<Tensor> in = to_tensors(src, "src");
+        const std::vector<Tensor> out = to_tensors(dst, "dst");
+        const Tensor st = to_tensor(scale, "scale"), ft = to_tensor(found_inf, "found_inf");
+        nb::gil_scoped_release release;
+        grad::multi_tensor_scale(in, out, st, ft);
+      },
+      nb::arg("src"), nb::arg("dst"), nb::arg("scale"), nb::arg("found_inf"));
+  m.def(
+      "grad_multi_tensor_scale",
+      [](const std::vector<InArray>& src, const std::vector<OutArray>& dst, float scale,
+         OutArray found_inf) {
+        const std::vector<Tensor> in = to_tensors(src, "src");
+        const std::vector<Tensor> out = to_tensors(dst, "dst");
+        const Tensor ft = to_tensor(found_inf, "found_inf");
+        nb::gil_scoped_release release;
+        grad::multi_tensor_scale(in, out, scale, ft);
+      },
+      nb::arg("src"), nb::arg("dst"), nb::arg("scale"), nb::arg("found_inf"));
+
+  // Megatron-Core's param-and-grad buffer placement.
+  m.def(
+      "layout_build_ddp_buffers",
+      [](const std::vector<std::tuple<std::string, std::vector<int64_t>, std::string, bool, bool>>&
+             params,
+         bool distributed_optimizer, int dp_size, bool pad_for_high_busbw, int64_t bucket_size,
+         const std::string& grad_dtype) {
+        std::vector<layout::ParamSpec> specs;
+        specs.reserve(params.size());
+        for (const auto& [name, shape, dtype, is_expert, own_bucket] : params) {
+          layout::ParamSpec s;
+          s.name = name;
+          s.shape = shape;
+          s.dtype = dtype_from_name(dtype);
+          s.is_expert = is_expert;
+          s.own_bucket = own_bucket;
+          specs.push_back(std::move(s));
+        }
+        layout::LayoutOptions options;
+        options.distributed_optimizer = distributed_optimizer;
+        options.dp_size = dp_size;
+        options.pad_for_high_busbw = pad_for_high_busbw;
+        options.bucket_size = bucket_size;
+        options.grad_dtype = dtype_from_name(grad_dtype);
+        nb::list out;
+        for (const layout::BufferLayout& b : layout::build_ddp_buffers(specs, options))
+          out.append(layout_dict(b));
+        return out;
+      },
+      nb::arg("params"), nb::arg("distributed_optimizer") = false, nb::arg("dp_size") = 1,
+      nb::arg("pad_for_high_busbw") = false, nb::arg("bucket_size") = 0,
+      nb::arg("grad_dtype") = "float32",
+      "params: (name, shape, param dtype, is_expert, own_bucket) in registration order.");
+}
+
+}  // namespace leanstep::py

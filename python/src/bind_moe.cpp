@@ -1,0 +1,179 @@
+// MoE: routing, permute/unpermute and their backward, routing-map padding and
+// chunk sorting. Outputs are caller-allocated (the Python layer allocates them
+// in the inputs' framework).
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <leanstep/moe.h>
+
+#include "arrays.h"
+#include "bindings.h"
+
+namespace leanstep::py {
+namespace {
+
+const Tensor* ptr(const std::optional<Tensor>& t) { return t ? &*t : nullptr; }
+
+}  // namespace
+
+void bind_moe(nb::module_& m) {
+  m.def("moe_expert_capacity", &moe::expert_capacity, nb::arg("num_tokens"),
+        nb::arg("num_experts"), nb::arg("topk"), nb::arg("capacity_factor"));
+
+  m.def(
+      "moe_route",
+      [](InArray logits, int64_t topk, const std::string& score_function, bool pre_softmax,
+         std::optional<bool> normalize, std::optional<double> scaling_factor,
+         std::optional<double> capacity_factor, const std::string& drop_policy,
+         bool pad_to_capacity, std::optional<InArray> expert_bias, OutArray routing_map,
+         OutArray probs, OutArray tokens_per_expert) {
+        moe::RoutingConfig config;
+        config.topk = topk;
+        config.score_function = moe::score_function_from_name(score_function);
+        config.pre_softmax = pre_softmax;
+        config.normalize = normalize;
+        config.scaling_factor = scaling_factor;
+        config.capacity_factor = capacity_factor;
+        config.drop_policy = moe::drop_policy_from_name(drop_policy);
+        config.pad_to_capacity = pad_to_capacity;
+        const Tensor lt = to_tensor(logits, "logits");
+        const std::optional<Tensor> bias = to_tensor(expert_bias, "expert_bias");
+        const Tensor mt = to_tensor(routing_map, "routing_map"), pt = to_tensor(probs, "probs");
+        const Tensor tt = to_tensor(tokens_per_expert, "tokens_per_expert");
+        nb::gil_scoped_release release;
+        moe::route(lt, config, ptr(bias), mt, pt, tt);
+      },
+      nb::arg("logits"), nb::arg("topk"), nb::arg("score_function") = "softmax",
+      nb::arg("pre_softmax") = false, nb::arg("normalize").none() = nb::none(),
+      nb::arg("scaling_factor").none() = nb::none(),
+      nb::arg("capacity_factor").none() = nb::none(), nb::arg("drop_policy") = "probs",
+      nb::arg("pad_to_capacity") = false, nb::arg("expert_bias").none() = nb::none(),
+      nb::kw_only(), nb::arg("routing_map"), nb::arg("probs"), nb::arg("tokens_per_expert"));
+
+  m.def(
+      "moe_count_routed",
+      [](InArray routing_map) {
+        const Tensor t = to_tensor(routing_map, "routing_map");
+        nb::gil_scoped_release release;
+        return moe::count_routed(t);
+      },
+      nb::arg("routing_map"));
+
+  m.def(
+      "moe_permute_output_rows",
+      [](InArray routing_map, std::optional<int64_t> num_out_tokens, bool drop_and_pad) {
+        const Tensor t = to_tensor(routing_map, "routing_map");
+        nb::gil_scoped_release release;
+        return moe::permute_output_rows(t, num_out_tokens, drop_and_pad);
+      },
+      nb::arg("routing_map"), nb::arg("num_out_tokens").none(), nb::arg("drop_and_pad"));
+
+  m.def(
+      "moe_permute",
+      [](InArray tokens, InArray routing_map, std::optional<InArray> probs,
+         std::optional<int64_t> num_out_tokens, bool drop_and_pad, const std::string& method,
+         OutArray permuted, std::optional<OutArray> permuted_probs, OutArray sorted_indices) {
+        const Tensor tt = to_tensor(tokens, "tokens"), mt = to_tensor(routing_map, "routing_map");
+        const std::optional<Tensor> pt = to_tensor(probs, "probs");
+        const Tensor outt = to_tensor(permuted, "permuted");
+        const std::optional<Tensor> outp = to_tensor(permuted_probs, "permuted_probs");
+        const Tensor st = to_tensor(sorted_indices, "sorted_indices");
+        const moe::Method mth = moe::method_from_name(method);
+        nb::gil_scoped_release release;
+        moe::permute(tt, mt, ptr(pt), num_out_tokens, drop_and_pad, mth, outt, ptr(outp), st);
+      },
+      nb::arg("tokens"), nb::arg("routing_map"), nb::arg("probs").none(),
+      nb::arg("num_out_tokens").none(), nb::arg("drop_and_pad"), nb::arg("method"),
+      nb::arg("permuted"), nb::arg("permuted_probs").none(), nb::arg("sorted_indices"));
+
+  m.def(
+      "moe_unpermute",
+      [](InArray permuted, InArray sorted_indices, OutArray out, std::optional<InArray> probs,
+         std::optional<InArray> routing_map, bool drop_and_pad, const std::string& method) {
+        const Tensor pt = to_tensor(permuted, "permuted");
+        const Tensor st = to_tensor(sorted_indices, "sorted_indices");
+        const Tensor ot = to_tensor(out, "out");
+        const std::optional<Tensor> prt = to_tensor(probs, "probs");
+        const std::optional<Tensor> mt = to_tensor(routing_map, "routing_map");
+        const moe::Method mth = moe::method_from_name(method);
+        nb::gil_scoped_release release;
+        moe::unpermute(pt, st, ot, ptr(prt), ptr(mt), drop_and_pad, mth);
+      },
+      nb::arg("permuted"), nb::arg("sorted_indices"), nb::arg("out"), nb::arg("probs").none(),
+      nb::arg("routing_map").none(), nb::arg("drop_and_pad"), nb::arg("method"));
+
+  m.def(
+      "moe_permute_backward",
+      [](InArray dpermuted, InArray sorted_indices, OutArray dtokens, const std::string& method) {
+        const Tensor dp = to_tensor(dpermuted, "dpermuted");
+        const Tensor st = to_tensor(sorted_indices, "sorted_indices");
+        const Tensor dt = to_tensor(dtokens, "dtokens");
+        const moe::Method mth = moe::method_from_name(method);
+        nb::gil_scoped_release release;
+        moe::permute_backward(dp, st, dt, mth);
+      },
+      nb::arg("dpermuted"), nb::arg("sorted_indices"), nb::arg("dtokens"), nb::arg("method"));
+
+  m.def(
+      "moe_permute_probs_backward",
+      [](InArray dpermuted_probs, InArray sorted_indices, InArray routing_map, bool drop_and_pad,
+         OutArray dprobs) {
+        const Tensor dp = to_tensor(dpermuted_probs, "dpermuted_probs");
+        const Tensor st = to_tensor(sorted_indices, "sorted_indices");
+        const Tensor mt = to_tensor(routing_map, "routing_map");
+        const Tensor dt = to_tensor(dprobs, "dprobs");
+        nb::gil_scoped_release release;
+        moe::permute_probs_backward(dp, st, mt, drop_and_pad, dt);
+      },
+      nb::arg("dpermuted_probs"), nb::arg("sorted_indices"), nb::arg("routing_map"),
+      nb::arg("drop_and_pad"), nb::arg("dprobs"));
+
+  m.def(
+      "moe_unpermute_backward",
+      [](InArray dout, InArray permuted, InArray sorted_indices, std::optional<InArray> probs,
+         std::optional<InArray> routing_map, bool drop_and_pad, const std::string& method,
+         OutArray dpermuted, std::optional<OutArray> dprobs) {
+        const Tensor dt = to_tensor(dout, "dout"), pt = to_tensor(permuted, "permuted");
+        const Tensor st = to_tensor(sorted_indices, "sorted_indices");
+        const std::optional<Tensor> prt = to_tensor(probs, "probs");
+        const std::optional<Tensor> mt = to_tensor(routing_map, "routing_map");
+        const Tensor dpt = to_tensor(dpermuted, "dpermuted");
+        const std::optional<Tensor> dprt = to_tensor(dprobs, "dprobs");
+        const moe::Method mth = moe::method_from_name(method);
+        nb::gil_scoped_release release;
+        moe::unpermute_backward(dt, pt, st, ptr(prt), ptr(mt), drop_and_pad, mth, dpt, ptr(dprt));
+      },
+      nb::arg("dout"), nb::arg("permuted"), nb::arg("sorted_indices"), nb::arg("probs").none(),
+      nb::arg("routing_map").none(), nb::arg("drop_and_pad"), nb::arg("method"),
+      nb::arg("dpermuted"), nb::arg("dprobs").none());
+
+  m.def(
+      "moe_pad_routing_map",
+      [](InArray routing_map, int64_t multiple, OutArray out) {
+        const Tensor mt = to_tensor(routing_map, "routing_map"), ot = to_tensor(out, "out");
+        nb::gil_scoped_release release;
+        moe::pad_routing_map(mt, multiple, ot);
+      },
+      nb::arg("routing_map"), nb::arg("multiple"), nb::arg("out"));
+
+  m.def(
+      "moe_sort_chunks_by_idxs",
+      [](InArray rows, InArray split_sizes, InArray sorted_idxs, OutArray out,
+         std::optional<InArray> probs, std::optional<OutArray> out_probs) {
+        const Tensor rt = to_tensor(rows, "rows"), st = to_tensor(split_sizes, "split_sizes");
+        const Tensor it = to_tensor(sorted_idxs, "sorted_idxs"), ot = to_tensor(out, "out");
+        const std::optional<Tensor> pt = to_tensor(probs, "probs");
+        const std::optional<Tensor> opt = to_tensor(out_probs, "out_probs");
+        nb::gil_scoped_release release;
+        moe::sort_chunks_by_idxs(rt, st, it, ot, ptr(pt), ptr(opt));
+      },
+      nb::arg("rows"), nb::arg("split_sizes"), nb::arg("sorted_idxs"), nb::arg("out"),
+      nb::arg("probs").none() = nb::none(), nb::arg("out_probs").none() = nb::none());
+}
+
+}  // namespace leanstep::py

@@ -1,0 +1,180 @@
+// RMSNorm: forward/backward kernels (fused and reference), the routed entry
+// points with their feature-delegation decision, and path statistics.
+#include <optional>
+#include <string>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <leanstep/rmsnorm.h>
+
+#include "arrays.h"
+#include "bindings.h"
+
+namespace leanstep::py {
+namespace {
+
+rmsnorm::Options make_options(double eps, bool zero_centered_gamma, const std::string& rounding) {
+  rmsnorm::Options options;
+  options.eps = eps;
+  options.zero_centered_gamma = zero_centered_gamma;
+  options.rounding = rmsnorm::rounding_from_name(rounding);
+  return options;
+}
+
+bool use_reference(const std::string& impl) {
+  if (impl == "fused") return false;
+  if (impl == "reference") return true;
+  throw_arg_error("rms_norm", "impl", "must be 'fused' or 'reference' (got '" + impl + "')");
+}
+
+nb::dict decision_dict(const rmsnorm::Decision& d) {
+  nb::dict out;
+  out["path"] = rmsnorm::path_name(d.path);
+  out["reason"] = rmsnorm::reason_name(d.reason);
+  out["explain"] = d.explain();
+  return out;
+}
+
+rmsnorm::CallContext make_context(bool weight_requires_grad, bool fp8_output, bool autocast,
+                                  bool activation_offload, bool debug_hooks,
+                                  bool compiled_or_captured, bool user_subclass) {
+  rmsnorm::CallContext c;
+  c.weight_requires_grad = weight_requires_grad;
+  c.fp8_output = fp8_output;
+  c.autocast = autocast;
+  c.activation_offload = activation_offload;
+  c.debug_hooks = debug_hooks;
+  c.compiled_or_captured = compiled_or_captured;
+  c.user_subclass = user_subclass;
+  return c;
+}
+
+}  // namespace
+
+void bind_rmsnorm(nb::module_& m) {
+  m.def(
+      "rmsnorm_forward",
+      [](InArray x, InArray gamma, OutArray y, OutArray rstd, double eps, bool zero_centered_gamma,
+         const std::string& rounding, const std::string& impl) {
+        const Tensor xt = to_tensor(x, "x"), gt = to_tensor(gamma, "weight");
+        const Tensor yt = to_tensor(y, "y"), rt = to_tensor(rstd, "rstd");
+        const rmsnorm::Options options = make_options(eps, zero_centered_gamma, rounding);
+        const bool reference = use_reference(impl);
+        nb::gil_scoped_release release;
+        if (reference) rmsnorm::forward_reference(xt, gt, yt, rt, options);
+        else rmsnorm::forward_fused(xt, gt, yt, rt, options);
+      },
+      nb::arg("x"), nb::arg("weight"), nb::arg("y"), nb::arg("rstd"), nb::arg("eps"),
+      nb::arg("zero_centered_gamma") = false, nb::arg("rounding") = "scale_then_cast",
+      nb::arg("impl") = "fused");
+
+  m.def(
+      "rmsnorm_backward",
+      [](InArray dy, InArray x, InArray rstd, InArray gamma, OutArray dx,
+         std::optional<OutArray> dgamma, double eps, bool zero_centered_gamma,
+         const std::string& impl) {
+        const Tensor dyt = to_tensor(dy, "dy"), xt = to_tensor(x, "x");
+        const Tensor rt = to_tensor(rstd, "rstd"), gt = to_tensor(gamma, "weight");
+        const Tensor dxt = to_tensor(dx, "dx");
+        const std::optional<Tensor> dgt = to_tensor(dgamma, "dweight");
+        const rmsnorm::Options options = make_options(eps, zero_centered_gamma, "scale_then_cast");
+        const bool reference = use_reference(impl);
+        nb::gil_scoped_release release;
+        const Tensor* dg = dgt ? &*dgt : nullptr;
+        if (reference) rmsnorm::backward_reference(dyt, xt, rt, gt, dxt, dg, options);
+        else rmsnorm::backward_fused(dyt, xt, rt, gt, dxt, dg, options);
+      },
+      nb::arg("dy"), nb::arg("x"), nb::arg("rstd"), nb::arg("weight"), nb::arg("dx"),
+      nb::arg("dweight").none(), nb::arg("eps"), nb::arg("zero_centered_gamma") = false,
+      nb::arg("impl") = "fused");
+
+  // Routed entry points: the same kernels, with the frozen-path decision
+  // recorded in the path statistics and returned as a dict.
+  m.def(
+      "rmsnorm_forward_routed",
+      [](InArray x, InArray gamma, OutArray y, OutArray rstd, double eps, bool zero_centered_gamma,
+         const std::string& rounding, bool weight_requires_grad, bool fp8_output, bool autocast,
+         bool activation_offload, bool debug_hooks, bool compiled_or_captured, bool user_subclass) {
+        const Tensor xt = to_tensor(x, "x"), gt = to_tensor(gamma, "weight");
+        const Tensor yt = to_tensor(y, "y"), rt = to_tensor(rstd, "rstd");
+        const rmsnorm::Options options = make_options(eps, zero_centered_gamma, rounding);
+        const rmsnorm::CallContext context =
+            make_context(weight_requires_grad, fp8_output, autocast, activation_offload,
+                         debug_hooks, compiled_or_captured, user_subclass);
+        rmsnorm::Decision decision;
+        {
+          nb::gil_scoped_release release;
+          decision = rmsnorm::forward(xt, gt, yt, rt, options, context);
+        }
+        return decision_dict(decision);
+      },
+      nb::arg("x"), nb::arg("weight"), nb::arg("y"), nb::arg("rstd"), nb::arg("eps"),
+      nb::arg("zero_centered_gamma") = false, nb::arg("rounding") = "scale_then_cast",
+      nb::kw_only(), nb::arg("weight_requires_grad") = true, nb::arg("fp8_output") = false,
+      nb::arg("autocast") = false, nb::arg("activation_offload") = false,
+      nb::arg("debug_hooks") = false, nb::arg("compiled_or_captured") = false,
+      nb::arg("user_subclass") = false);
+
+  m.def(
+      "rmsnorm_backward_routed",
+      [](InArray dy, InArray x, InArray rstd, InArray gamma, OutArray dx,
+         std::optional<OutArray> dgamma, double eps, bool zero_centered_gamma,
+         bool weight_requires_grad, bool fp8_output, bool autocast, bool activation_offload,
+         bool debug_hooks, bool compiled_or_captured, bool user_subclass) {
+        const Tensor dyt = to_tensor(dy, "dy"), xt = to_tensor(x, "x");
+        const Tensor rt = to_tensor(rstd, "rstd"), gt = to_tensor(gamma, "weight");
+        const Tensor dxt = to_tensor(dx, "dx");
+        const std::optional<Tensor> dgt = to_tensor(dgamma, "dweight");
+        const rmsnorm::Options options = make_options(eps, zero_centered_gamma, "scale_then_cast");
+        const rmsnorm::CallContext context =
+            make_context(weight_requires_grad, fp8_output, autocast, activation_offload,
+                         debug_hooks, compiled_or_captured, user_subclass);
+        rmsnorm::Decision decision;
+        {
+          nb::gil_scoped_release release;
+          decision = rmsnorm::backward(dyt, xt, rt, gt, dxt, dgt ? &*dgt : nullptr, options,
+                                       context);
+        }
+        return decision_dict(decision);
+      },
+      nb::arg("dy"), nb::arg("x"), nb::arg("rstd"), nb::arg("weight"), nb::arg("dx"),
+      nb::arg("dweight").none(), nb::arg("eps"), nb::arg("zero_centered_gamma") = false,
+      nb::kw_only(), nb::arg("weight_requires_grad") = true, nb::arg("fp8_output") = false,
+      nb::arg("autocast") = false, nb::arg("activation_offload") = false,
+      nb::arg("debug_hooks") = false, nb::arg("compiled_or_captured") = false,
+      nb::arg("user_subclass") = false);
+
+  m.def(
+      "rmsnorm_decide",
+      [](bool weight_requires_grad, bool fp8_output, bool autocast, bool activation_offload,
+         bool debug_hooks, bool compiled_or_captured, bool user_subclass) {
+        return decision_dict(rmsnorm::decide(
+            make_context(weight_requires_grad, fp8_output, autocast, activation_offload,
+                         debug_hooks, compiled_or_captured, user_subclass)));
+      },
+      nb::kw_only(), nb::arg("weight_requires_grad") = true, nb::arg("fp8_output") = false,
+      nb::arg("autocast") = false, nb::arg("activation_offload") = false,
+      nb::arg("debug_hooks") = false, nb::arg("compiled_or_captured") = false,
+      nb::arg("user_subclass") = false);
+
+  m.def("rmsnorm_path_stats", [] {
+    const rmsnorm::PathStats s = rmsnorm::path_stats();
+    nb::dict out;
+    for (int p = 0; p < rmsnorm::kNumPaths; ++p) {
+      const char* name = rmsnorm::path_name(static_cast<rmsnorm::Path>(p));
+      out[(std::string("forward_") + name).c_str()] = s.forward_calls[p];
+      out[(std::string("backward_") + name).c_str()] = s.backward_calls[p];
+    }
+    nb::dict declines;
+    for (int r = 1; r < rmsnorm::kNumReasons; ++r)
+      declines[rmsnorm::reason_name(static_cast<rmsnorm::Reason>(r))] = s.declines[r];
+    out["declines"] = declines;
+    out["describe"] = s.describe();
+    return out;
+  });
+  m.def("reset_rmsnorm_path_stats", &rmsnorm::reset_path_stats);
+}
+
+}  // namespace leanstep::py
