@@ -1,0 +1,637 @@
+// Counterbalanced crossover: Latin-square / Williams plans and the paired analysis.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "leanstep/core.h"
+#include "leanstep/stats.h"
+#include "stats/util.h"
+
+namespace leanstep::stats {
+
+using nlohmann::json;
+
+// ---------------------------------------------------------------- plan
+
+namespace {
+
+// Williams design: rows of a Latin square in which every condition immediately follows
+// every other condition equally often (first-order carryover balance). For even n one
+// square does it; for odd n the square and its mirror image together (2n rows).
+// First row: 0, 1, n-1, 2, n-2, ...; row i adds i (mod n) to every entry.
+std::vector<std::vector<int>> williams_rows(int n) {
+  std::vector<int> first(n);
+  for (int j = 0; j < n; ++j) first[j] = j == 0 ? 0 : (j % 2 ? (j + 1) / 2 : n - j / 2);
+  std::vector<std::vector<int>> rows;
+  for (int i = 0; i < n; ++i) {
+    std::vector<int> row(n);
+    for (int j = 0; j < n; ++j) row[j] = (first[j] + i) % n;
+    rows.push_back(row);
+  }
+  if (n % 2) {
+    for (int i = 0; i < n; ++i) rows.emplace_back(rows[i].rbegin(), rows[i].rend());
+  }
+  return rows;
+}
+
+void check_names(const std::vector<std::string>& names, const char* where, const char* arg) {
+  std::set<std::string> seen;
+  for (const auto& n : names) {
+    LEANSTEP_CHECK_ARG(!n.empty(), where, arg, "must not contain empty names");
+    LEANSTEP_CHECK_ARG(n.find(',') == std::string::npos, where, arg,
+                       fmt::format("names must not contain ',' (got '{}')", n));
+    LEANSTEP_CHECK_ARG(seen.insert(n).second, where, arg, fmt::format("must not repeat a name (got '{}' twice)", n));
+  }
+}
+
+}  // namespace
+
+PlannedStep CrossoverPlan::at(int run_index, int64_t position) const {
+  LEANSTEP_CHECK_ARG(run_index >= 0 && run_index < static_cast<int>(runs.size()), "CrossoverPlan::at", "run_index",
+                     fmt::format("must be in [0, {}) (got {})", runs.size(), run_index));
+  LEANSTEP_CHECK_ARG(position >= 0 && position < steps_per_run(), "CrossoverPlan::at", "position",
+                     fmt::format("must be in [0, {}) steps of the plan (got {})", steps_per_run(), position));
+  const auto& run = runs[static_cast<size_t>(run_index)];
+  if (position < warmup) return {run.blocks[0], 0, true};
+  const int block = static_cast<int>((position - warmup) / block_steps);
+  return {run.blocks[static_cast<size_t>(block)], block, false};
+}
+
+int CrossoverPlan::run_index(const std::string& name) const {
+  for (size_t i = 0; i < runs.size(); ++i)
+    if (runs[i].name == name) return static_cast<int>(i);
+  return -1;
+}
+
+CrossoverPlan plan_crossover(const std::vector<std::string>& conditions, int runs, int64_t block_steps,
+                             int64_t warmup, const std::vector<std::string>& allocations_in,
+                             int64_t exclude_after_transition) {
+  const char* where = "crossover plan";
+  const int k = static_cast<int>(conditions.size());
+  LEANSTEP_CHECK_ARG(k >= 2, where, "conditions", fmt::format("must name at least 2 conditions (got {})", k));
+  check_names(conditions, where, "conditions");
+  std::vector<std::string> allocations = allocations_in.empty() ? std::vector<std::string>{"default"} : allocations_in;
+  check_names(allocations, where, "allocations");
+  const int a = static_cast<int>(allocations.size());
+  LEANSTEP_CHECK_ARG(block_steps >= 1, where, "block_steps", fmt::format("must be >= 1 (got {})", block_steps));
+  LEANSTEP_CHECK_ARG(warmup >= 0, where, "warmup", fmt::format("must be >= 0 (got {})", warmup));
+  LEANSTEP_CHECK_ARG(exclude_after_transition >= 0 && exclude_after_transition < block_steps, where,
+                     "exclude_after_transition",
+                     fmt::format("must be in [0, block_steps = {}) (got {})", block_steps, exclude_after_transition));
+  LEANSTEP_CHECK_ARG(runs >= 1, where, "runs", fmt::format("must be >= 1 (got {})", runs));
+  const int unit = k * a;
+  if (runs % unit != 0) {
+    const int lower = runs / unit * unit, upper = lower + unit;
+    throw_arg_error(where, "runs",
+                    fmt::format("must be a multiple of conditions x allocations = {} x {} = {} so that every condition "
+                                "appears equally often at every block position on every allocation (got {}; use {})",
+                                k, a, unit, runs,
+                                lower > 0 ? fmt::format("{} or {}", lower, upper) : std::to_string(upper)));
+  }
+  const int per_allocation = runs / a;
+  const auto rows = williams_rows(k);
+  const bool williams = per_allocation % static_cast<int>(rows.size()) == 0;
+
+  CrossoverPlan plan;
+  plan.conditions = conditions;
+  plan.allocations = allocations;
+  plan.block_steps = block_steps;
+  plan.warmup = warmup;
+  plan.exclude_after_transition = exclude_after_transition;
+  plan.design = williams ? "williams" : "cyclic latin square";
+  for (int r = 0; r < runs; ++r) {
+    // Runs alternate between allocations; on each allocation the runs walk through the
+    // square's rows, so every allocation holds whole Latin squares.
+    const int alloc = r % a;
+    const int row = (r / a) % static_cast<int>(rows.size());
+    PlannedRun run;
+    run.name = fmt::format("run{}", r);
+    run.allocation = allocations[static_cast<size_t>(alloc)];
+    for (int c : rows[static_cast<size_t>(row)]) run.blocks.push_back(conditions[static_cast<size_t>(c)]);
+    plan.runs.push_back(std::move(run));
+  }
+  plan.carryover_balanced = check_balance(plan).carryover_balanced;
+  return plan;
+}
+
+PlanBalance check_balance(const CrossoverPlan& plan) {
+  PlanBalance b;
+  const size_t k = plan.conditions.size();
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < k; ++i) index[plan.conditions[i]] = i;
+  b.every_run_complete = !plan.runs.empty();
+  // counts[allocation][position][condition]
+  std::map<std::string, std::vector<std::vector<int64_t>>> counts;
+  std::vector<std::vector<int64_t>> overall(k, std::vector<int64_t>(k, 0));
+  std::vector<std::vector<int64_t>> follows(k, std::vector<int64_t>(k, 0));
+  for (const auto& run : plan.runs) {
+    std::set<std::string> seen(run.blocks.begin(), run.blocks.end());
+    bool known = run.blocks.size() == k && seen.size() == k;
+    for (const auto& c : run.blocks) known = known && index.count(c);
+    if (!known) {
+      b.every_run_complete = false;
+      continue;
+    }
+    auto& ac = counts[run.allocation];
+    if (ac.empty()) ac.assign(k, std::vector<int64_t>(k, 0));
+    for (size_t p = 0; p < k; ++p) {
+      ++ac[p][index[run.blocks[p]]];
+      ++overall[p][index[run.blocks[p]]];
+      if (p + 1 < k) ++follows[index[run.blocks[p]]][index[run.blocks[p + 1]]];
+    }
+  }
+  auto uniform = [](const std::vector<std::vector<int64_t>>& m) {
+    for (const auto& row : m)
+      for (int64_t v : row)
+        if (v != m[0][0]) return false;
+    return true;
+  };
+  b.positions_balanced = b.every_run_complete && uniform(overall) && overall[0][0] > 0;
+  for (const auto& [alloc, m] : counts) b.positions_balanced = b.positions_balanced && uniform(m);
+  b.carryover_balanced = b.every_run_complete;
+  int64_t expected = -1;
+  for (size_t i = 0; i < k; ++i)
+    for (size_t j = 0; j < k; ++j) {
+      if (i == j) continue;
+      if (expected < 0) expected = follows[i][j];
+      b.carryover_balanced = b.carryover_balanced && follows[i][j] == expected && expected > 0;
+    }
+  return b;
+}
+
+json to_json(const CrossoverPlan& plan) {
+  json runs = json::array();
+  for (const auto& r : plan.runs) runs.push_back({{"run", r.name}, {"allocation", r.allocation}, {"blocks", r.blocks}});
+  return {{"design", plan.design},
+          {"conditions", plan.conditions},
+          {"allocations", plan.allocations},
+          {"block_steps", plan.block_steps},
+          {"warmup", plan.warmup},
+          {"exclude_after_transition", plan.exclude_after_transition},
+          {"steps_per_run", plan.steps_per_run()},
+          {"carryover_balanced", plan.carryover_balanced},
+          {"runs", runs}};
+}
+
+CrossoverPlan plan_from_json(const json& j, const std::string& name) {
+  auto bad = [&](const std::string& what) { throw Error(fmt::format("{}: {}", name, what)); };
+  if (!j.is_object()) bad("a crossover plan must be a JSON object");
+  CrossoverPlan p;
+  try {
+    p.conditions = j.at("conditions").get<std::vector<std::string>>();
+    p.allocations = j.contains("allocations") ? j.at("allocations").get<std::vector<std::string>>()
+                                              : std::vector<std::string>{"default"};
+    p.block_steps = j.at("block_steps").get<int64_t>();
+    p.warmup = j.value("warmup", int64_t{0});
+    p.exclude_after_transition = j.value("exclude_after_transition", int64_t{0});
+    p.design = j.value("design", std::string("custom"));
+    for (const auto& r : j.at("runs")) {
+      PlannedRun run;
+      run.name = r.at("run").get<std::string>();
+      run.allocation = r.value("allocation", p.allocations.empty() ? std::string("default") : p.allocations[0]);
+      run.blocks = r.at("blocks").get<std::vector<std::string>>();
+      p.runs.push_back(std::move(run));
+    }
+  } catch (const json::exception& e) {
+    bad(fmt::format("malformed crossover plan ({})", e.what()));
+  }
+  if (p.conditions.size() < 2) bad("a crossover plan needs at least 2 conditions");
+  if (p.block_steps < 1) bad(fmt::format("'block_steps' must be >= 1 (got {})", p.block_steps));
+  if (p.warmup < 0) bad(fmt::format("'warmup' must be >= 0 (got {})", p.warmup));
+  if (p.exclude_after_transition < 0) bad("'exclude_after_transition' must be >= 0");
+  if (p.runs.empty()) bad("a crossover plan needs at least one run");
+  std::set<std::string> names;
+  for (const auto& r : p.runs) {
+    if (!names.insert(r.name).second) bad(fmt::format("run '{}' appears twice", r.name));
+    std::set<std::string> blocks(r.blocks.begin(), r.blocks.end());
+    std::set<std::string> conds(p.conditions.begin(), p.conditions.end());
+    if (r.blocks.size() != p.conditions.size() || blocks != conds)
+      bad(fmt::format("run '{}' must hold every condition exactly once as a block", r.name));
+  }
+  p.carryover_balanced = check_balance(p).carryover_balanced;
+  return p;
+}
+
+CrossoverPlan read_plan(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw Error(fmt::format("crossover plan: cannot open '{}'", path));
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::parse_error& e) {
+    throw Error(fmt::format("{}: invalid JSON ({})", path, e.what()));
+  }
+  return plan_from_json(j, path);
+}
+
+void write_plan(const std::string& path, const CrossoverPlan& plan) {
+  std::ofstream out(path);
+  if (!out) throw Error(fmt::format("crossover plan: cannot open '{}' for writing", path));
+  out << to_json(plan).dump(2) << "\n";
+  if (!out) throw Error(fmt::format("crossover plan: writing '{}' failed", path));
+}
+
+std::string format_plan(const CrossoverPlan& plan) {
+  const PlanBalance b = check_balance(plan);
+  std::string out = fmt::format(
+      "{} design: {} conditions, {} runs, blocks of {} steps after {} warm-up steps ({} steps per run)\n",
+      plan.design, plan.conditions.size(), plan.runs.size(), plan.block_steps, plan.warmup, plan.steps_per_run());
+  out += fmt::format("balanced over block positions{}: {}; first-order carryover balanced: {}\n",
+                     plan.allocations.size() > 1 ? " and allocations" : "", b.positions_balanced ? "yes" : "NO",
+                     b.carryover_balanced ? "yes" : "no");
+  size_t w = 3;
+  for (const auto& r : plan.runs) w = std::max(w, r.name.size());
+  size_t aw = 10;
+  for (const auto& a : plan.allocations) aw = std::max(aw, a.size());
+  std::vector<size_t> cw(plan.conditions.size(), 0);
+  for (const auto& c : plan.conditions) cw[0] = std::max(cw[0], c.size());
+  std::string header = fmt::format("{:<{}}  {:<{}}", "run", w, "allocation", aw);
+  for (size_t p = 0; p < plan.conditions.size(); ++p) {
+    const int64_t first = plan.warmup + static_cast<int64_t>(p) * plan.block_steps;
+    header += fmt::format("  {:<{}}", fmt::format("block {} [{}-{})", p, first, first + plan.block_steps),
+                          std::max(cw[0], size_t{16}));
+  }
+  out += header + "\n" + std::string(header.size(), '-') + "\n";
+  for (const auto& r : plan.runs) {
+    std::string line = fmt::format("{:<{}}  {:<{}}", r.name, w, r.allocation, aw);
+    for (const auto& c : r.blocks) line += fmt::format("  {:<{}}", c, std::max(cw[0], size_t{16}));
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    out += line + "\n";
+  }
+  if (plan.warmup > 0)
+    out += fmt::format("warm-up steps [0-{}) run the condition of block 0; exclude {} step(s) after each transition in the analysis\n",
+                       plan.warmup, plan.exclude_after_transition);
+  return out;
+}
+
+// ---------------------------------------------------------------- bootstrap
+
+namespace {
+
+// SplitMix64: a fixed, portable generator so intervals are identical on every platform
+// (std:: distributions are implementation-defined).
+struct SplitMix64 {
+  uint64_t state;
+  uint64_t next() {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [0, n) by the multiply-high method (bias below 2^-40 for our n).
+  uint64_t below(uint64_t n) { return static_cast<uint64_t>((static_cast<unsigned __int128>(next()) * n) >> 64); }
+};
+
+}  // namespace
+
+GeomeanCI geomean_ratio_ci(const std::vector<double>& log_ratios, int resamples, uint64_t seed, int64_t block) {
+  LEANSTEP_CHECK_ARG(resamples >= 1, "geomean_ratio_ci", "resamples", fmt::format("must be >= 1 (got {})", resamples));
+  LEANSTEP_CHECK_ARG(block >= 1, "geomean_ratio_ci", "block", fmt::format("must be >= 1 (got {})", block));
+  GeomeanCI ci;
+  const size_t n = log_ratios.size();
+  ci.n = static_cast<int64_t>(n);
+  if (n == 0) {
+    ci.geomean = ci.low = ci.high = std::nan("");
+    return ci;
+  }
+  const double m = mean_of(log_ratios);
+  ci.geomean = std::exp(m);
+  if (n == 1) {
+    ci.low = ci.high = ci.geomean;
+    return ci;
+  }
+  const size_t len = std::min(static_cast<size_t>(block), n);
+  SplitMix64 rng{seed};
+  std::vector<double> means(static_cast<size_t>(resamples));
+  for (int b = 0; b < resamples; ++b) {
+    double sum = 0;
+    size_t taken = 0;
+    while (taken < n) {
+      // A block of `len` consecutive matched positions (len 1: the plain bootstrap).
+      const size_t start = rng.below(n - len + 1);
+      for (size_t i = 0; i < len && taken < n; ++i, ++taken) sum += log_ratios[start + i];
+    }
+    means[static_cast<size_t>(b)] = sum / static_cast<double>(n);
+  }
+  std::sort(means.begin(), means.end());
+  ci.low = std::exp(percentile_sorted(means, 0.025));
+  ci.high = std::exp(percentile_sorted(means, 0.975));
+  return ci;
+}
+
+// ---------------------------------------------------------------- analysis
+
+namespace {
+
+// Per step position: the logarithm of each used step duration and its condition.
+using PositionMap = std::map<int64_t, std::vector<std::pair<std::string, double>>>;
+
+std::vector<double> matched_log_ratios(const PositionMap& positions, const std::string& x, const std::string& y) {
+  std::vector<double> out;
+  for (const auto& [pos, entries] : positions) {
+    double sx = 0, sy = 0;
+    int nx = 0, ny = 0;
+    for (const auto& [c, logd] : entries) {
+      if (c == x) sx += logd, ++nx;
+      else if (c == y) sy += logd, ++ny;
+    }
+    // Several runs may hold a condition at one position (runs = m x conditions): compare
+    // the geometric means of each side at that position.
+    if (nx && ny) out.push_back(sx / nx - sy / ny);
+  }
+  return out;
+}
+
+}  // namespace
+
+CrossoverResult analyze_crossover(const std::vector<StepRecord>& records_in, const CrossoverOptions& options) {
+  const char* where = "crossover analyze";
+  LEANSTEP_CHECK_ARG(!records_in.empty(), where, "records", "must not be empty");
+  LEANSTEP_CHECK_ARG(options.bootstrap_resamples >= 100, where, "bootstrap_resamples",
+                     fmt::format("must be >= 100 (got {})", options.bootstrap_resamples));
+  LEANSTEP_CHECK_ARG(options.bootstrap_block >= 1, where, "bootstrap_block",
+                     fmt::format("must be >= 1 (got {})", options.bootstrap_block));
+  const CrossoverPlan* plan = options.plan;
+  CrossoverResult res;
+  res.series = build_series(records_in);
+  res.num_runs = static_cast<int>(res.series.size());
+  res.warmup = options.warmup.value_or(plan ? plan->warmup : 0);
+  res.exclude_after_transition = options.exclude_after_transition.value_or(plan ? plan->exclude_after_transition : 2);
+  LEANSTEP_CHECK_ARG(res.warmup >= 0, where, "warmup", fmt::format("must be >= 0 (got {})", res.warmup));
+  LEANSTEP_CHECK_ARG(res.exclude_after_transition >= 0, where, "exclude_after_transition",
+                     fmt::format("must be >= 0 (got {})", res.exclude_after_transition));
+  res.bootstrap_resamples = options.bootstrap_resamples;
+  res.bootstrap_seed = options.bootstrap_seed;
+
+  // The plan checks the logs and supplies conditions/blocks the logs did not record.
+  if (plan) {
+    std::set<std::string> logged;
+    for (auto& s : res.series) {
+      logged.insert(s.run);
+      const int idx = plan->run_index(s.run);
+      if (idx < 0)
+        throw Error(fmt::format("{}: run '{}' of the logs is not in the plan (the plan names run0..run{})", where,
+                                s.run, plan->runs.size() - 1));
+      for (size_t i = 0; i < s.steps.size(); ++i) {
+        const int64_t pos = s.steps[i] - s.first_step;
+        if (pos >= plan->steps_per_run())
+          throw Error(fmt::format("{}: run '{}' step {} lies beyond the plan's {} steps per run", where, s.run,
+                                  s.steps[i], plan->steps_per_run()));
+        const PlannedStep ps = plan->at(idx, pos);
+        if (s.condition[i].empty()) s.condition[i] = ps.condition;
+        else if (s.condition[i] != ps.condition)
+          throw Error(fmt::format("{}: run '{}' step {} logged condition '{}' but the plan says '{}'", where, s.run,
+                                  s.steps[i], s.condition[i], ps.condition));
+        if (s.block[i] < 0) s.block[i] = ps.block;
+        else if (s.block[i] != ps.block)
+          throw Error(fmt::format("{}: run '{}' step {} logged block {} but the plan says {}", where, s.run, s.steps[i],
+                                  s.block[i], ps.block));
+      }
+      const std::string& planned_alloc = plan->runs[static_cast<size_t>(idx)].allocation;
+      if (!s.allocation.empty() && s.allocation != planned_alloc)
+        res.notes.push_back(fmt::format("run '{}' logged allocation '{}' but the plan says '{}'", s.run, s.allocation,
+                                        planned_alloc));
+    }
+    for (const auto& r : plan->runs)
+      if (!logged.count(r.name))
+        res.notes.push_back(fmt::format("run '{}' of the plan has no logs: the design is no longer balanced", r.name));
+  }
+
+  // Conditions: the plan's order, else order of first appearance.
+  std::vector<std::string> conditions = plan ? plan->conditions : std::vector<std::string>{};
+  for (const auto& s : res.series)
+    for (size_t i = 0; i < s.steps.size(); ++i) {
+      if (s.condition[i].empty())
+        throw Error(fmt::format("{}: run '{}' step {} has no condition; log the 'condition' key or pass the plan",
+                                where, s.run, s.steps[i]));
+      if (std::find(conditions.begin(), conditions.end(), s.condition[i]) == conditions.end())
+        conditions.push_back(s.condition[i]);
+    }
+  LEANSTEP_CHECK_ARG(conditions.size() >= 2, where, "records",
+                     fmt::format("must hold at least 2 conditions to compare (got {})", conditions.size()));
+  res.conditions = conditions;
+  res.baseline = options.baseline.empty() ? conditions[0] : options.baseline;
+  if (std::find(conditions.begin(), conditions.end(), res.baseline) == conditions.end())
+    throw_arg_error(where, "baseline",
+                    fmt::format("must be one of the logged conditions (got '{}')", res.baseline));
+
+  // Used steps by position, with and without the first steps after each transition.
+  PositionMap with_transitions, without_transitions;
+  std::map<std::string, std::vector<double>> per_condition;
+  for (const auto& s : res.series) {
+    std::string previous_key;
+    int64_t block_start = 0;
+    int64_t incomplete = 0;
+    for (size_t i = 0; i < s.steps.size(); ++i) {
+      const int64_t pos = s.steps[i] - s.first_step;
+      // A transition: the block (or, when blocks are not logged, the condition) changes.
+      // The run's start counts as one too (a cold start after warm-up 0).
+      const std::string key = s.block[i] >= 0 ? "b" + std::to_string(s.block[i]) : "c" + s.condition[i];
+      if (i == 0 || key != previous_key) block_start = pos;
+      previous_key = key;
+      if (pos < res.warmup) continue;
+      if (!s.complete[i]) {
+        ++incomplete;
+        continue;
+      }
+      const double logd = std::log(s.duration_s[i]);
+      with_transitions[pos].emplace_back(s.condition[i], logd);
+      if (pos - block_start >= res.exclude_after_transition) {
+        without_transitions[pos].emplace_back(s.condition[i], logd);
+        per_condition[s.condition[i]].push_back(s.duration_s[i]);
+      }
+    }
+    if (incomplete)
+      res.notes.push_back(fmt::format("run '{}': {} step(s) with missing ranks excluded (not filled)", s.run, incomplete));
+    if (!s.missing_steps.empty())
+      res.notes.push_back(fmt::format("run '{}': {} step(s) logged by no rank: {}", s.run, s.missing_steps.size(),
+                                      list_steps(s.missing_steps)));
+  }
+  for (const auto& c : conditions) {
+    ConditionSummary cs;
+    cs.condition = c;
+    const auto& v = per_condition[c];
+    cs.steps_used = static_cast<int64_t>(v.size());
+    cs.mean_s = mean_of(v);
+    cs.median_s = median_of(v);
+    res.condition_summaries.push_back(cs);
+  }
+
+  auto pair = [&](const std::string& x, const std::string& y) {
+    PairResult p;
+    p.condition = x;
+    p.versus = y;
+    const GeomeanCI a = geomean_ratio_ci(matched_log_ratios(without_transitions, x, y), options.bootstrap_resamples,
+                                         options.bootstrap_seed, options.bootstrap_block);
+    const GeomeanCI b = geomean_ratio_ci(matched_log_ratios(with_transitions, x, y), options.bootstrap_resamples,
+                                         options.bootstrap_seed, options.bootstrap_block);
+    p.geomean_ratio = a.geomean;
+    p.reduction = 1 - a.geomean;
+    p.ci_low = 1 - a.high;  // a larger ratio is a smaller reduction
+    p.ci_high = 1 - a.low;
+    p.matched_positions = a.n;
+    p.geomean_ratio_with_transitions = b.geomean;
+    p.reduction_with_transitions = 1 - b.geomean;
+    p.ci_low_with_transitions = 1 - b.high;
+    p.ci_high_with_transitions = 1 - b.low;
+    p.matched_positions_with_transitions = b.n;
+    if (a.n == 0)
+      res.notes.push_back(fmt::format("'{}' and '{}' never share a step position: no paired ratio", x, y));
+    return p;
+  };
+  for (const auto& c : conditions)
+    if (c != res.baseline) res.comparisons.push_back(pair(c, res.baseline));
+  std::vector<std::string> others;
+  for (const auto& c : conditions)
+    if (c != res.baseline) others.push_back(c);
+  for (size_t i = 0; i < others.size(); ++i)
+    for (size_t j = i + 1; j < others.size(); ++j) res.comparisons.push_back(pair(others[j], others[i]));
+
+  // Interaction view.
+  auto known = [&](const std::string& c) { return std::find(conditions.begin(), conditions.end(), c) != conditions.end(); };
+  auto interactions = options.interactions;
+  for (const auto& c : conditions) {
+    const size_t plus = c.find('+');
+    if (plus == std::string::npos || c.find('+', plus + 1) != std::string::npos) continue;
+    const std::string first = c.substr(0, plus), second = c.substr(plus + 1);
+    const bool listed = std::any_of(interactions.begin(), interactions.end(), [&](const auto& e) { return e.first == c; });
+    if (known(first) && known(second) && !listed) interactions.push_back({c, {first, second}});
+  }
+  auto find_pair = [&](const std::string& x, const std::string& y) {
+    for (const auto& p : res.comparisons) {
+      if (p.condition == x && p.versus == y) return p.geomean_ratio;
+      if (p.condition == y && p.versus == x) return 1 / p.geomean_ratio;
+    }
+    return std::nan("");
+  };
+  for (const auto& [combined, parts] : interactions) {
+    for (const auto& name : {combined, parts.first, parts.second})
+      if (!known(name))
+        throw_arg_error(where, "interactions", fmt::format("names a condition that was not logged (got '{}')", name));
+    if (combined == res.baseline || parts.first == res.baseline || parts.second == res.baseline ||
+        parts.first == parts.second || combined == parts.first || combined == parts.second)
+      throw_arg_error(where, "interactions",
+                      fmt::format("must name a combined condition and two distinct parts, none the baseline (got {}={},{})",
+                                  combined, parts.first, parts.second));
+    Interaction in;
+    in.combined = combined;
+    in.first = parts.first;
+    in.second = parts.second;
+    const double rc = find_pair(combined, res.baseline), r1 = find_pair(parts.first, res.baseline),
+                 r2 = find_pair(parts.second, res.baseline);
+    in.combined_vs_baseline = 1 - rc;
+    in.first_vs_baseline = 1 - r1;
+    in.second_vs_baseline = 1 - r2;
+    in.combined_vs_first = 1 - find_pair(combined, parts.first);
+    in.combined_vs_second = 1 - find_pair(combined, parts.second);
+    in.independent_prediction = 1 - r1 * r2;
+    res.interactions.push_back(in);
+  }
+  return res;
+}
+
+namespace {
+
+std::string ci_text(double lo, double hi) {
+  if (!std::isfinite(lo) || !std::isfinite(hi)) return "-";
+  return fmt::format("[{:+.2f}%, {:+.2f}%]", lo * 100, hi * 100);
+}
+
+json number_or_null(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
+
+}  // namespace
+
+std::string format_crossover(const CrossoverResult& r) {
+  std::string out = fmt::format(
+      "crossover: {} runs, baseline '{}'; warm-up {} step(s) discarded, first {} step(s) after each block "
+      "transition excluded\n",
+      r.num_runs, r.baseline, r.warmup, r.exclude_after_transition);
+  out += "step duration = max over ranks; ratios at the same step position, geometric mean over positions\n\n";
+  size_t w = 9;
+  for (const auto& c : r.conditions) w = std::max(w, c.size());
+  out += fmt::format("{:<{}}  {:>8}  {:>12}  {:>12}\n", "condition", w, "steps", "mean", "median");
+  for (const auto& c : r.condition_summaries)
+    out += fmt::format("{:<{}}  {:>8}  {:>12}  {:>12}\n", c.condition, w, c.steps_used, format_seconds(c.mean_s),
+                       format_seconds(c.median_s));
+  out += "\npaired step-duration reduction (1 - geomean of condition/versus; positive = faster)\n";
+  std::vector<std::string> labels;
+  size_t lw = 10;
+  for (const auto& p : r.comparisons) {
+    labels.push_back(p.condition + " vs " + p.versus);
+    lw = std::max(lw, labels.back().size());
+  }
+  out += fmt::format("{:<{}}  {:>10}  {:>22}  {:>8}  {:>12}  {:>8}\n", "comparison", lw, "reduction", "95% CI",
+                     "matched", "incl. trans.", "matched");
+  for (size_t i = 0; i < r.comparisons.size(); ++i) {
+    const auto& p = r.comparisons[i];
+    out += fmt::format("{:<{}}  {:>10}  {:>22}  {:>8}  {:>12}  {:>8}\n", labels[i], lw, format_percent(p.reduction),
+                       ci_text(p.ci_low, p.ci_high), p.matched_positions, format_percent(p.reduction_with_transitions),
+                       p.matched_positions_with_transitions);
+  }
+  if (!r.interactions.empty()) out += "\ninteractions (gains need not add up):\n";
+  for (const auto& in : r.interactions) {
+    out += fmt::format("  {}: {} vs {}; {} alone {}, {} alone {}; if independent {}\n", in.combined,
+                       format_percent(in.combined_vs_baseline), r.baseline, in.first, format_percent(in.first_vs_baseline),
+                       in.second, format_percent(in.second_vs_baseline), format_percent(in.independent_prediction));
+    out += fmt::format("    adding {} on top of {}: {};  adding {} on top of {}: {}\n", in.second, in.first,
+                       format_percent(in.combined_vs_first), in.first, in.second, format_percent(in.combined_vs_second));
+  }
+  out += fmt::format("\n95% CI: percentile bootstrap over matched positions, {} resamples, seed {}\n",
+                     r.bootstrap_resamples, r.bootstrap_seed);
+  if (!r.notes.empty()) {
+    out += "notes:\n";
+    for (const auto& n : r.notes) out += "  " + n + "\n";
+  }
+  return out;
+}
+
+json to_json(const CrossoverResult& r) {
+  json comparisons = json::array();
+  for (const auto& p : r.comparisons)
+    comparisons.push_back({{"condition", p.condition},
+                           {"versus", p.versus},
+                           {"reduction", number_or_null(p.reduction)},
+                           {"ci_low", number_or_null(p.ci_low)},
+                           {"ci_high", number_or_null(p.ci_high)},
+                           {"matched_positions", p.matched_positions},
+                           {"reduction_with_transitions", number_or_null(p.reduction_with_transitions)},
+                           {"geomean_ratio", number_or_null(p.geomean_ratio)},
+                           {"ci_low_with_transitions", number_or_null(p.ci_low_with_transitions)},
+                           {"ci_high_with_transitions", number_or_null(p.ci_high_with_transitions)},
+                           {"matched_positions_with_transitions", p.matched_positions_with_transitions}});
+  json interactions = json::array();
+  for (const auto& in : r.interactions)
+    interactions.push_back({{"combined", in.combined},
+                            {"first", in.first},
+                            {"second", in.second},
+                            {"combined_vs_baseline", number_or_null(in.combined_vs_baseline)},
+                            {"first_vs_baseline", number_or_null(in.first_vs_baseline)},
+                            {"second_vs_baseline", number_or_null(in.second_vs_baseline)},
+                            {"combined_vs_first", number_or_null(in.combined_vs_first)},
+                            {"combined_vs_second", number_or_null(in.combined_vs_second)},
+                            {"independent_prediction", number_or_null(in.independent_prediction)}});
+  json conditions = json::array();
+  for (const auto& c : r.condition_summaries)
+    conditions.push_back({{"condition", c.condition},
+                          {"steps_used", c.steps_used},
+                          {"mean_s", number_or_null(c.mean_s)},
+                          {"median_s", number_or_null(c.median_s)}});
+  return {{"baseline", r.baseline},
+          {"comparisons", comparisons},
+          {"interactions", interactions},
+          {"conditions", conditions},
+          {"runs", r.num_runs},
+          {"warmup", r.warmup},
+          {"exclude_after_transition", r.exclude_after_transition},
+          {"bootstrap", {{"resamples", r.bootstrap_resamples}, {"seed", r.bootstrap_seed}}},
+          {"notes", r.notes}};
+}
+
+}  // namespace leanstep::stats
