@@ -1,0 +1,143 @@
+// The gradient engine: one-pass norm, non-finite check, unscale and in-place
+// clipping over the coalesced regions of the gradient buffers.
+//
+// A Plan is built once from the optimizer's list of grad views (any order,
+// mixed dtypes, duplicates, sub-views, overlaps, strided views, empty views)
+// and reused every step. It finds the maximal address-adjacent contiguous
+// regions (padding between params is never read) and keeps a generic list for
+// views that cannot join a region (with the reason). Results equal the
+// per-tensor loop exactly in semantics: an element covered by k listed views
+// is counted k times by norms and count_zeros and scaled k times by in-place
+// ops, as the loop "for each view in list order: op(view)" would.
+//
+// All results are written into backend scalars (1-element tensors allocated
+// by the caller); nothing is read back by the host. Results are bitwise
+// identical for any thread count.
+#pragma once
+
+#include <cmath>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "leanstep/comm.h"
+#include "leanstep/core.h"
+
+namespace leanstep::grad {
+
+inline constexpr double kInfNorm = INFINITY;  // norm_type for the max-abs norm
+
+// A run of memory covered by the same listed views. `multiplicity` = how many
+// listed views cover each of its elements (1 for a normal, unaliased grad).
+struct Region {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t numel = 0;
+  int multiplicity = 1;
+  size_t nbytes() const { return static_cast<size_t>(numel) * dtype_size(dtype); }
+};
+
+struct GenericView {
+  size_t index = 0;  // position in the list given to the Plan
+  Tensor view;
+  std::string reason;
+};
+
+// A unit of parallel work: [begin, end) of one region. Fixed size, so the
+// reduction tree over chunks depends only on the plan, never on threads.
+struct WorkChunk {
+  int32_t region = 0;
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
+class Plan {
+ public:
+  Plan() = default;
+  // `grads`: the grad views (CPU, floating dtypes fp32/fp16/bf16/fp64).
+  // `declared_buffers`: optional; when given every non-empty view must lie
+  // inside one of them, otherwise Error.
+  explicit Plan(std::span<const Tensor> grads, std::span<const Tensor> declared_buffers = {});
+
+  size_t num_tensors() const { return views_.size(); }
+  size_t num_regions() const { return regions_.size(); }
+  size_t num_generic() const { return generic_.size(); }
+  size_t num_empty() const { return num_empty_; }
+  // Bytes of the listed views (each listed view counted once per listing).
+  size_t listed_bytes() const { return listed_bytes_; }
+  // Distinct bytes a fused pass touches (regions once each + generic views).
+  size_t touched_bytes() const { return touched_bytes_; }
+  std::string summary() const;
+
+  const std::vector<Tensor>& views() const { return views_; }
+  const std::vector<Region>& regions() const { return regions_; }
+  const std::vector<GenericView>& generic() const { return generic_; }
+  const std::vector<WorkChunk>& chunks() const { return chunks_; }
+  // True when a generic view shares memory with another listed view (the
+  // in-place ops then order their passes so the per-tensor loop is matched).
+  bool generic_aliases() const { return generic_aliases_; }
+
+  static constexpr int64_t kChunkElements = int64_t{1} << 16;
+
+ private:
+  std::vector<Tensor> views_;
+  std::vector<Region> regions_;
+  std::vector<GenericView> generic_;
+  std::vector<WorkChunk> chunks_;
+  size_t num_empty_ = 0;
+  size_t listed_bytes_ = 0;
+  size_t touched_bytes_ = 0;
+  bool generic_aliases_ = false;
+};
+
+// Total norm: (sum over views of sum |x|^p)^(1/p), p = 2 (L2), kInfNorm
+// (max |x|, NaN propagates) or any p > 0. Sums of p-th powers are
+// accumulated in double (fp32 squares cannot overflow it), chunk partials
+// combined in a fixed tree. With `comm`, the p-th power sum is SUM- (or the max
+// MAX-) all-reduced before the root; every rank must call (also with an empty
+// plan). Writes `out_norm` (1-element fp32). If `found_inf` (1-element fp32,
+// zeroed by the caller) is given, it is set to 1 when any element is
+// non-finite (on any rank), in the same pass.
+void norm(const Plan& plan, const Tensor& out_norm, double norm_type = 2.0, const Tensor* found_inf = nullptr,
+          comm::Communicator* comm = nullptr);
+
+// Fused "unscale + non-finite check + norm" in one pass: each element x
+// becomes cast(float(x) * inv_scale) in place (skipped if inv_scale == 1),
+// found_inf (required, 1-element fp32 zeroed by the caller) is set when an
+// INPUT element is non-finite, and out_norm is the norm of the unscaled grads
+// (as unscale-all-then-norm would give). `inv_scale`: 1-element fp32 tensor.
+void unscale_norm(const Plan& plan, const Tensor& inv_scale, const Tensor& out_norm, const Tensor& found_inf,
+                  double norm_type = 2.0, comm::Communicator* comm = nullptr);
+void unscale_norm(const Plan& plan, float inv_scale, const Tensor& out_norm, const Tensor& found_inf,
+                  double norm_type = 2.0, comm::Communicator* comm = nullptr);
+
+// Clip by total norm: coeff = min(1, max_norm / (norm + 1e-6)) computed from the
+// stored `total_norm` (1-element fp32) without a host read, grads multiplied in
+// place (always; by exactly 1 leaves fp32 bit-identical). NaN norm gives NaN
+// coefficient. Writes `out_coeff` (1-element fp32) if given.
+void clip(const Plan& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff = nullptr);
+
+// norm then clip: the usual step. Writes out_norm (and out_coeff if given).
+void norm_clip(const Plan& plan, double max_norm, const Tensor& out_norm, double norm_type = 2.0,
+               const Tensor* found_inf = nullptr, const Tensor* out_coeff = nullptr,
+               comm::Communicator* comm = nullptr);
+
+// In place grads *= scale (1-element fp32 backend scalar), computed in fp32.
+void scale(const Plan& plan, const Tensor& scale);
+
+// sum over views of (numel - count_nonzero) into `out_count` (1-element int64);
+// SUM all-reduced with `comm`.
+void count_zeros(const Plan& plan, const Tensor& out_count, comm::Communicator* comm = nullptr);
+
+// out[i] = cast_to(out[i].dtype, float(in[i]) * scale) for all pairs, fp32 math
+// and one rounding to the destination (no overflow through a narrow
+// intermediate). found_inf (1-element fp32, zeroed by the caller) is set when
+// an INPUT element is non-finite. Semantics = the pairs applied in list order,
+// each reading its whole input before writing (so a partially overlapping
+// in/out pair gives the read-all-then-write answer). In place: out[i] == in[i].
+void multi_tensor_scale(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,
+                        const Tensor& found_inf);
+void multi_tensor_scale(std::span<const Tensor> in, std::span<const Tensor> out, float scale,
+                        const Tensor& found_inf);
+
+}  // namespace leanstep::grad
