@@ -1,0 +1,295 @@
+// RMSNorm numerics: fused and reference against a float64 oracle (per-element
+// error bounds derived in rmsnorm_util.h) and against the anchors' tolerances;
+// fused against reference; rounding orders, zero-centered gamma, tiny and huge
+// variance rows, odd and multi-dimensional shapes, in-place use, empty inputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "leanstep/buffer.h"
+#include "leanstep/rmsnorm.h"
+#include "rmsnorm_util.h"
+#include "test_util.h"
+
+namespace leanstep {
+namespace {
+
+using namespace leanstep::testing;
+using namespace leanstep::testing::rmsnorm_util;
+namespace rn = leanstep::rmsnorm;
+
+struct Shape {
+  std::vector<int64_t> dims;
+  int64_t hidden() const { return dims.back(); }
+  int64_t rows() const {
+    int64_t r = 1;
+    for (size_t i = 0; i + 1 < dims.size(); ++i) r *= dims[i];
+    return r;
+  }
+};
+
+// The anchors' shapes (71,229), (29,541), plus H = 128, 2048, 4097, a 3-D shape,
+// tiny ones, and a width that is not a multiple of any vector length.
+const std::vector<Shape>& shapes() {
+  static const std::vector<Shape> k = {{{71, 229}}, {{29, 541}}, {{2, 3, 128}}, {{6, 2048}},
+                                       {{3, 4097}}, {{1, 1}},    {{5, 7}},       {{2, 2, 2, 33}}};
+  return k;
+}
+const double kEps[] = {1e-1, 1e-3, 1e-5, 1e-7};
+
+// x rows with per-row scales spanning tiny to huge variance (kept within each
+// dtype's range: fp16 tops out at 65504 and its squares must fit fp32 sums).
+void fill_rows(const Tensor& x, int64_t rows, int64_t h, std::mt19937_64& rng) {
+  const bool half = x.dtype == DType::kFloat16;
+  const double scales[] = {1.0, half ? 1e-3 : 1e-6, half ? 1e3 : 1e4, 0.05, 30.0};
+  std::normal_distribution<double> dist(0.0, 1.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const double s = scales[r % 5];
+    for (int64_t i = 0; i < h; ++i) store_from_double(x.data, x.dtype, r * h + i, s * dist(rng));
+  }
+}
+
+void fill_gamma(const Tensor& gamma, bool zero_centered, std::mt19937_64& rng) {
+  fill_normal(gamma, rng, zero_centered ? 0.0 : 1.0, 0.5);
+}
+
+struct Case {
+  Shape shape;
+  DType x_dtype, gamma_dtype, y_dtype;
+  Options options;
+  std::string eps_string() const {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", options.eps);
+    return buf;
+  }
+  std::string name() const {
+    std::string s = "[";
+    for (size_t i = 0; i < shape.dims.size(); ++i) s += (i ? "," : "") + std::to_string(shape.dims[i]);
+    return s + "] x=" + dtype_name(x_dtype) + " gamma=" + dtype_name(gamma_dtype) + " y=" + dtype_name(y_dtype) +
+           " eps=" + eps_string() + (options.zero_centered_gamma ? " zero_centered" : "") + " " +
+           rn::rounding_name(options.rounding);
+  }
+};
+
+// All combinations the forward/backward tests sweep: every float dtype for x,
+// gamma in x's dtype or fp32, y in x's dtype or fp32, both gamma conventions,
+// both rounding orders, eps cycling through 1e-1 .. 1e-7.
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  int k = 0;
+  for (const Shape& s : shapes())
+    for (DType xd : float_dtypes())
+      for (DType gd : {xd, DType::kFloat32})
+        for (DType yd : {xd, DType::kFloat32})
+          for (bool zc : {false, true})
+            for (auto ro : {RoundingOrder::kScaleThenCast, RoundingOrder::kCastThenScale}) {
+              if (xd == DType::kFloat32 && (gd != xd || yd != xd) ) continue;  // duplicates
+              Options o;
+              o.eps = kEps[k++ % 4];
+              o.zero_centered_gamma = zc;
+              o.rounding = ro;
+              out.push_back({s, xd, gd, yd, o});
+            }
+  return out;
+}
+
+TEST(RmsNormForward, FusedAndReferenceMatchFloat64OracleAndAnchors) {
+  std::mt19937_64 rng(test_seed());
+  int checked = 0;
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name());
+    const int64_t rows = c.shape.rows(), h = c.shape.hidden();
+    Buffer x(c.x_dtype, c.shape.dims), gamma(c.gamma_dtype, {h});
+    fill_rows(x, rows, h, rng);
+    fill_gamma(gamma, c.options.zero_centered_gamma, rng);
+    Buffer y_fused(c.y_dtype, c.shape.dims), y_ref(c.y_dtype, c.shape.dims);
+    Buffer r_fused(DType::kFloat32, {rows}), r_ref(DType::kFloat32, {rows});
+    rn::forward_fused(x, gamma, y_fused, r_fused, c.options);
+    rn::forward_reference(x, gamma, y_ref, r_ref, c.options);
+
+    const ForwardOracle oracle = forward_oracle(x, gamma, c.options);
+    const std::vector<double> g = effective_gamma64(gamma, c.options.zero_centered_gamma);
+    std::vector<double> y_bound_v(oracle.y.size()), r_bound(oracle.rstd.size());
+    for (size_t i = 0; i < oracle.y.size(); ++i)
+      y_bound_v[i] = y_bound(oracle.y[i], g[i % h], h, c.x_dtype, c.y_dtype, c.options);
+    for (size_t i = 0; i < r_bound.size(); ++i) r_bound[i] = rstd_rel_bound(h) * oracle.rstd[i];
+
+    EXPECT_EQ(count_violations(to_doubles(r_fused), oracle.rstd, r_bound, "rstd fused vs oracle"), 0);
+    EXPECT_EQ(count_violations(to_doubles(r_ref), oracle.rstd, r_bound, "rstd reference vs oracle"), 0);
+    EXPECT_EQ(count_violations(to_doubles(y_fused), oracle.y, y_bound_v, "y fused vs oracle"), 0);
+    EXPECT_EQ(count_violations(to_doubles(y_ref), oracle.y, y_bound_v, "y reference vs oracle"), 0);
+    // The anchors compare against an fp32 implementation of the same rounding
+    // order; ours is the reference (fp32 math, fp64-accumulated statistics).
+    // Cast-then-scale rounds x*r to x's dtype first, so a last-bit difference in
+    // rstd can flip that intermediate by one ulp of x's dtype: its tolerance is
+    // the coarser of x's and y's.
+    const DType tol_dtype = c.options.rounding == RoundingOrder::kCastThenScale &&
+                                    unit_roundoff(c.x_dtype) > unit_roundoff(c.y_dtype)
+                                ? c.x_dtype
+                                : c.y_dtype;
+    EXPECT_EQ(count_violations(to_doubles(y_fused), to_doubles(y_ref), anchor_bounds(to_doubles(y_ref), anchor_y(tol_dtype)),
+                               "y fused vs reference (anchor tolerance)"),
+              0);
+    ++checked;
+  }
+  EXPECT_GT(checked, 100);
+}
+
+TEST(RmsNormForward, RoundingOrdersDifferOnlyByTheExtraCast) {
+  // For bf16 the two orders must actually differ on some elements (else the
+  // option would be ignored), and cast-then-scale must equal g * cast_x(x*r)
+  // computed from the saved rstd.
+  std::mt19937_64 rng(test_seed());
+  const int64_t rows = 16, h = 1000;
+  Buffer x(DType::kBFloat16, {rows, h}), gamma(DType::kBFloat16, {h});
+  fill_normal(x, rng);
+  fill_normal(gamma, rng, 1.0, 0.5);
+  Buffer y1(DType::kBFloat16, {rows, h}), y2(DType::kBFloat16, {rows, h}), r(DType::kFloat32, {rows});
+  Options o;
+  rn::forward_fused(x, gamma, y1, r, o);
+  o.rounding = RoundingOrder::kCastThenScale;
+  rn::forward_fused(x, gamma, y2, r, o);
+  int64_t differ = 0, mismatch = 0;
+  for (int64_t k = 0; k < rows * h; ++k) {
+    const float xv = bf16_to_float(x.data_as<uint16_t>()[k]);
+    const float gv = bf16_to_float(gamma.data_as<uint16_t>()[k % h]);
+    const float t = bf16_to_float(float_to_bf16(xv * r.data_as<float>()[k / h]));
+    const uint16_t expect = float_to_bf16(gv * t);
+    mismatch += expect != y2.data_as<uint16_t>()[k];
+    differ += y1.data_as<uint16_t>()[k] != y2.data_as<uint16_t>()[k];
+  }
+  EXPECT_EQ(mismatch, 0);
+  EXPECT_GT(differ, 0);
+}
+
+TEST(RmsNormBackward, FusedAndReferenceMatchFloat64OracleAndAnchors) {
+  std::mt19937_64 rng(test_seed());
+  int checked = 0;
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name());
+    const int64_t rows = c.shape.rows(), h = c.shape.hidden();
+    // dy in the output's dtype, dx in x's dtype, dgamma in gamma's dtype.
+    Buffer x(c.x_dtype, c.shape.dims), gamma(c.gamma_dtype, {h}), dy(c.y_dtype, c.shape.dims);
+    fill_rows(x, rows, h, rng);
+    fill_gamma(gamma, c.options.zero_centered_gamma, rng);
+    fill_normal(dy, rng);
+    Buffer y(c.y_dtype, c.shape.dims), rstd(DType::kFloat32, {rows});
+    rn::forward_fused(x, gamma, y, rstd, c.options);
+
+    Buffer dx_fused(c.x_dtype, c.shape.dims), dx_frozen(c.x_dtype, c.shape.dims), dx_ref(c.x_dtype, c.shape.dims);
+    Buffer dg_fused(c.gamma_dtype, {h}), dg_ref(c.gamma_dtype, {h});
+    rn::backward_fused(dy, x, rstd, gamma, dx_fused, &dg_fused.view(), c.options);
+    rn::backward_fused(dy, x, rstd, gamma, dx_frozen, nullptr, c.options);
+    rn::backward_reference(dy, x, rstd, gamma, dx_ref, &dg_ref.view(), c.options);
+
+    const BackwardOracle b = backward_oracle(dy, x, rstd, gamma, c.x_dtype, c.gamma_dtype, c.options);
+    EXPECT_EQ(count_violations(to_doubles(dx_fused), b.dx, b.dx_bound, "dx fused vs oracle"), 0);
+    EXPECT_EQ(count_violations(to_doubles(dx_ref), b.dx, b.dx_bound, "dx reference vs oracle"), 0);
+    EXPECT_EQ(count_violations(to_doubles(dg_fused), b.dgamma, b.dgamma_bound, "dgamma fused vs oracle"), 0);
+    EXPECT_EQ(count_violations(to_doubles(dg_ref), b.dgamma, b.dgamma_bound, "dgamma reference vs oracle"), 0);
+    EXPECT_TRUE(bitwise_equal(dx_fused, dx_frozen)) << "frozen dx differs from trainable dx";
+    // Anchors against the float64 oracle, relative to the size of the row's
+    // largest contribution (dx is a difference of two terms and can cancel to
+    // ~0, where a pure relative tolerance means nothing): atol scales with
+    // max|r*g*dy| of the row, which is 1 for the unit-scale rows anchors use.
+    const Tol tdx = anchor_grad(c.x_dtype);
+    std::vector<double> dx_anchor(b.dx.size());
+    const std::vector<double> dyv = to_doubles(dy), rv = to_doubles(rstd);
+    const std::vector<double> g = effective_gamma64(gamma, c.options.zero_centered_gamma);
+    for (int64_t r = 0; r < rows; ++r) {
+      double scale = 0;
+      for (int64_t i = 0; i < h; ++i) scale = std::max(scale, std::abs(rv[r] * g[i] * dyv[r * h + i]));
+      for (int64_t i = 0; i < h; ++i)
+        dx_anchor[r * h + i] = tdx.atol * std::max(scale, 1e-30) + tdx.rtol * std::abs(b.dx[r * h + i]);
+    }
+    EXPECT_EQ(count_violations(to_doubles(dx_fused), b.dx, dx_anchor, "dx fused vs oracle (anchor tolerance)"), 0);
+    const Tol tdg = anchor_grad(c.gamma_dtype);
+    EXPECT_EQ(count_violations(to_doubles(dg_fused), b.dgamma, anchor_bounds(b.dgamma, tdg),
+                               "dgamma fused vs oracle (anchor tolerance)"),
+              0);
+    ++checked;
+  }
+  EXPECT_GT(checked, 100);
+}
+
+TEST(RmsNormBackward, ZeroCenteredGammaGivesTheSameGradientsAsPlainOnePlusGamma) {
+  // d(1+gamma) = dgamma: a zero-centered gamma must give exactly the dx/dgamma
+  // of a plain gamma holding 1+gamma (formed in fp32).
+  std::mt19937_64 rng(test_seed());
+  const int64_t rows = 37, h = 300;
+  Buffer x(DType::kFloat32, {rows, h}), dy(DType::kFloat32, {rows, h});
+  Buffer gamma(DType::kFloat32, {h}), one_plus(DType::kFloat32, {h});
+  fill_normal(x, rng);
+  fill_normal(dy, rng);
+  fill_normal(gamma, rng, 0.0, 0.3);
+  for (int64_t i = 0; i < h; ++i) one_plus.data_as<float>()[i] = 1.0f + gamma.data_as<float>()[i];
+  Options zc;
+  zc.zero_centered_gamma = true;
+  Buffer y1(DType::kFloat32, {rows, h}), y2(DType::kFloat32, {rows, h}), r1(DType::kFloat32, {rows}),
+      r2(DType::kFloat32, {rows});
+  rn::forward_fused(x, gamma, y1, r1, zc);
+  rn::forward_fused(x, one_plus, y2, r2, {});
+  EXPECT_TRUE(bitwise_equal(y1, y2));
+  Buffer dx1(DType::kFloat32, {rows, h}), dx2(DType::kFloat32, {rows, h}), dg1(DType::kFloat32, {h}),
+      dg2(DType::kFloat32, {h});
+  rn::backward_fused(dy, x, r1, gamma, dx1, &dg1.view(), zc);
+  rn::backward_fused(dy, x, r2, one_plus, dx2, &dg2.view(), {});
+  EXPECT_TRUE(bitwise_equal(dx1, dx2));
+  EXPECT_TRUE(bitwise_equal(dg1, dg2));
+  // gamma itself is never rewritten.
+  for (int64_t i = 0; i < h; ++i) ASSERT_EQ(one_plus.data_as<float>()[i], 1.0f + gamma.data_as<float>()[i]);
+}
+
+TEST(RmsNormForward, InPlaceEqualsOutOfPlace) {
+  std::mt19937_64 rng(test_seed());
+  for (DType dt : float_dtypes()) {
+    SCOPED_TRACE(dtype_name(dt));
+    const int64_t rows = 9, h = 333;
+    Buffer x(dt, {rows, h}), gamma(dt, {h}), y(dt, {rows, h}), r(DType::kFloat32, {rows});
+    fill_normal(x, rng);
+    fill_normal(gamma, rng, 1.0, 0.5);
+    for (auto ro : {RoundingOrder::kScaleThenCast, RoundingOrder::kCastThenScale}) {
+      Options o;
+      o.rounding = ro;
+      Buffer x2(dt, {rows, h});
+      std::memcpy(x2.data(), x.data(), x.nbytes());
+      rn::forward_fused(x, gamma, y, r, o);
+      rn::forward_fused(x2, gamma, x2, r, o);
+      EXPECT_TRUE(bitwise_equal(y, x2));
+      // backward with dx aliasing dy
+      Buffer dy(dt, {rows, h}), dx(dt, {rows, h}), dg(dt, {h}), dg2(dt, {h});
+      fill_normal(dy, rng);
+      rn::backward_fused(dy, x, r, gamma, dx, &dg.view(), o);
+      rn::backward_fused(dy, x, r, gamma, dy, &dg2.view(), o);
+      EXPECT_TRUE(bitwise_equal(dx, dy));
+      EXPECT_TRUE(bitwise_equal(dg, dg2));
+    }
+  }
+}
+
+TEST(RmsNormEmpty, ZeroRowsJustWorkAndDgammaIsAnEmptySum) {
+  for (DType dt : float_dtypes()) {
+    Buffer x(dt, {0, 64}), gamma(dt, {64}), y(dt, {0, 64}), r(DType::kFloat32, {0});
+    Buffer dgamma(dt, {64});
+    for (int64_t i = 0; i < 64; ++i) store_from_double(dgamma.data(), dt, i, 7.0);
+    for (auto* fwd : {&rn::forward_fused, &rn::forward_reference}) EXPECT_NO_THROW(fwd(x, gamma, y, r, {}));
+    rn::backward_fused(x, x, r, gamma, y, &dgamma.view(), {});
+    for (double v : to_doubles(dgamma)) EXPECT_EQ(v, 0.0);
+    for (int64_t i = 0; i < 64; ++i) store_from_double(dgamma.data(), dt, i, 7.0);
+    rn::backward_reference(x, x, r, gamma, y, &dgamma.view(), {});
+    for (double v : to_doubles(dgamma)) EXPECT_EQ(v, 0.0);
+    // Leading dims of size zero in a 3-D shape, and null data for zero elements.
+    Tensor x3(nullptr, dt, {4, 0, 16}), y3(nullptr, dt, {4, 0, 16}), r3(nullptr, DType::kFloat32, {0});
+    Buffer g16(dt, {16});
+    EXPECT_NO_THROW(rn::forward_fused(x3, g16, y3, r3, {}));
+    EXPECT_NO_THROW(rn::backward_fused(x3, x3, r3, g16, y3, nullptr, {}));
+  }
+}
+
+}  // namespace
+}  // namespace leanstep
