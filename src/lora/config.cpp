@@ -213,7 +213,7 @@ ModelConfig parse_model_config(const json& config, std::string_view source) {
       c.vision = read_vision(KeyReader(top.object("vision_config"), "vision_config.", source, c.model_type));
   }
   KeyReader r(*text, text_prefix, source, c.model_type);
-  read_attention(r, c, family == Family::kDense);
+  read_attention(r, c, c.model_type == "llama");
   c.layers.assign(static_cast<size_t>(c.num_layers), LayerSpec{});
   if (family == Family::kDense) {
     c.intermediate_size = r.integer("intermediate_size");

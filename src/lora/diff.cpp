@@ -126,24 +126,32 @@ LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<Rank
       std::unordered_map<std::string, size_t> pos_a, pos_b;
       for (size_t i = 0; i < la.size(); ++i) pos_a[la[i].name] = i;
       for (size_t i = 0; i < lb.size(); ++i) pos_b[lb[i].name] = i;
-      // A name only in A whose position in B holds a name only in B, with the
-      // same shape and dtype, is a rename; the rest are missing or extra.
-      std::set<size_t> renamed_b;
-      for (size_t i = 0; i < la.size(); ++i) {
-        if (pos_b.count(la[i].name)) continue;
-        if (i < lb.size() && !pos_a.count(lb[i].name) && lb[i].shape == la[i].shape && lb[i].dtype == la[i].dtype) {
-          renamed_b.insert(i);
-          lines.push_back(fmt::format("{}: renamed tensor {} -> {} (position {}, {} {})", label, la[i].name, lb[i].name,
-                                      i, shape_text(la[i].shape), dtype_name(la[i].dtype)));
+      // Walk both layouts in step: between consecutive tensors present in both, a run of
+      // names only in A and a run only in B of the same length, shapes and dtypes are
+      // renames; anything else is missing or extra.
+      auto only_a_line = [&](const TensorSpec& t, std::string_view side) {
+        return fmt::format("{}: tensor {} {} {} is in {} only", label, t.name, shape_text(t.shape), dtype_name(t.dtype),
+                           side);
+      };
+      size_t ia = 0, ib = 0;
+      while (ia < la.size() || ib < lb.size()) {
+        size_t ea = ia, eb = ib;
+        while (ea < la.size() && !pos_b.count(la[ea].name)) ++ea;
+        while (eb < lb.size() && !pos_a.count(lb[eb].name)) ++eb;
+        bool renames = ea - ia == eb - ib;
+        for (size_t k = 0; renames && k < ea - ia; ++k)
+          renames = la[ia + k].shape == lb[ib + k].shape && la[ia + k].dtype == lb[ib + k].dtype;
+        if (renames) {
+          for (size_t k = 0; k < ea - ia; ++k)
+            lines.push_back(fmt::format("{}: renamed tensor {} -> {} ({} {})", label, la[ia + k].name, lb[ib + k].name,
+                                        shape_text(la[ia + k].shape), dtype_name(la[ia + k].dtype)));
         } else {
-          lines.push_back(fmt::format("{}: tensor {} {} {} is in {} only", label, la[i].name, shape_text(la[i].shape),
-                                      dtype_name(la[i].dtype), a_label));
+          for (size_t k = ia; k < ea; ++k) lines.push_back(only_a_line(la[k], a_label));
+          for (size_t k = ib; k < eb; ++k) lines.push_back(only_a_line(lb[k], b_label));
         }
-      }
-      for (size_t i = 0; i < lb.size(); ++i) {
-        if (pos_a.count(lb[i].name) || renamed_b.count(i)) continue;
-        lines.push_back(fmt::format("{}: tensor {} {} {} is in {} only", label, lb[i].name, shape_text(lb[i].shape),
-                                    dtype_name(lb[i].dtype), b_label));
+        // Now both stand at a common tensor (or at the end); step over it.
+        ia = ea < la.size() ? ea + 1 : ea;
+        ib = eb < lb.size() ? eb + 1 : eb;
       }
       std::vector<std::string> common_a, common_b;
       for (const TensorSpec& t : la) {
