@@ -12,7 +12,7 @@ import numbers
 from . import _leanstep
 from ._arrays import dtype_name, is_torch, torch_module, view, zeros
 
-__all__ = ["GradPlan", "multi_tensor_scale", "build_ddp_buffers"]
+__all__ = ["GradPlan", "multi_tensor_scale", "build_ddp_buffers", "ddp_grad_buffers", "model_params"]
 
 INF = float("inf")
 
@@ -156,3 +156,35 @@ def build_ddp_buffers(params, *, distributed_optimizer=False, dp_size=1,
         specs.append((str(name), [int(s) for s in shape], dtype, is_expert, own_bucket))
     return _leanstep.layout_build_ddp_buffers(specs, distributed_optimizer, int(dp_size),
                                               pad_for_high_busbw, int(bucket_size), grad_dtype)
+
+
+def model_params(model, lora_rank=8, expert_parallel=8):
+    """The parameter lists the C++ benchmarks use, registration order:
+    ``"qwen3_omni_lora"`` (one EP rank of Qwen3-Omni-30B-A3B LoRA fine-tuning)
+    or ``"dense_100m"`` (a ~101M-parameter dense GPT)."""
+    return _leanstep.grad_model_params(model, lora_rank, expert_parallel)
+
+
+def ddp_grad_buffers(params, framework="torch", **layout_options):
+    """Allocates zeroed flat gradient buffers laid out as Megatron-Core's DDP
+    does (see :func:`build_ddp_buffers`) and returns ``(buffers, grads,
+    layouts)``: the flat buffers, every param's grad view (in registration
+    order over all buffers, as an optimizer lists them) and the layouts."""
+    layouts = build_ddp_buffers(params, **layout_options)
+    buffers, indexed = [], []
+    for layout in layouts:
+        dtype = layout["grad_dtype"]
+        if framework == "torch":
+            import torch
+
+            buf = torch.zeros(layout["numel"], dtype=getattr(torch, dtype))
+        else:
+            import numpy as np
+
+            buf = np.zeros(layout["numel"], dtype=dtype)
+        buffers.append(buf)
+        for slot in layout["params"]:
+            view_ = buf[slot["offset"]:slot["offset"] + slot["numel"]].reshape(slot["shape"])
+            indexed.append((slot["param_index"], view_))
+    indexed.sort(key=lambda item: item[0])
+    return buffers, [v for _, v in indexed], layouts

@@ -17,6 +17,7 @@
 
 #include "arrays.h"
 #include "bindings.h"
+#include "grad/model_layouts.h"
 
 namespace leanstep::py {
 namespace {
@@ -220,6 +221,25 @@ void bind_grad(nb::module_& m) {
       nb::arg("pad_for_high_busbw") = false, nb::arg("bucket_size") = 0,
       nb::arg("grad_dtype") = "float32",
       "params: (name, shape, param dtype, is_expert, own_bucket) in registration order.");
+
+  // The realistic layouts the C++ benchmarks use, so peer benchmarks run on
+  // the same tensors.
+  m.def(
+      "grad_model_params",
+      [](const std::string& model, int lora_rank, int expert_parallel) {
+        std::vector<layout::ParamSpec> specs;
+        if (model == "qwen3_omni_lora") specs = grad::models::qwen3_omni_lora_rank_params(lora_rank, expert_parallel);
+        else if (model == "dense_100m") specs = grad::models::dense_100m_params();
+        else throw_arg_error("grad_model_params", "model",
+                             "must be 'qwen3_omni_lora' or 'dense_100m' (got '" + model + "')");
+        nb::list out;
+        for (const layout::ParamSpec& p : specs)
+          out.append(nb::make_tuple(p.name, nb::tuple(nb::cast(p.shape)), dtype_name(p.dtype),
+                                    p.is_expert, p.own_bucket));
+        return out;
+      },
+      nb::arg("model"), nb::arg("lora_rank") = 8, nb::arg("expert_parallel") = 8,
+      "(name, shape, param dtype, is_expert, own_bucket) of a benchmark model, registration order.");
 }
 
 }  // namespace leanstep::py
