@@ -1,0 +1,561 @@
+// MoE permutation: permute / unpermute / backward against oracles written from
+// the semantics, sort == fused bitwise, num_out_tokens enforcement, padding
+// paths, empty and degenerate inputs, 64-bit indexing and bad input.
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "leanstep/buffer.h"
+#include "leanstep/moe.h"
+#include "moe_util.h"
+#include "test_util.h"
+
+namespace leanstep::testing {
+namespace {
+
+using moe::Method;
+
+struct PermuteOut {
+  Buffer permuted, permuted_probs, indices;
+};
+
+PermuteOut run_permute(const Tensor& tokens, const Tensor& map, const Tensor* probs, std::optional<int64_t> num_out,
+                       bool drop_and_pad, Method method, DType index_dtype = DType::kInt64) {
+  const int64_t N = moe::permute_output_rows(map, num_out, drop_and_pad);
+  PermuteOut out;
+  out.permuted = Buffer(tokens.dtype, {N, tokens.shape[1]});
+  out.indices = Buffer(index_dtype, {N});
+  if (probs) out.permuted_probs = Buffer(probs->dtype, {N});
+  moe::permute(tokens, map, probs, num_out, drop_and_pad, method, out.permuted, probs ? &out.permuted_probs.view() : nullptr,
+               out.indices);
+  return out;
+}
+
+// Checks a permute result against the oracle order: indices exact, rows and probs bit-exact copies.
+void expect_permute_matches_oracle(const Tensor& tokens, const Tensor& map, const Tensor* probs, const PermuteOut& got,
+                                   int64_t num_out, bool drop_and_pad) {
+  const Slots want = oracle_slots(map, num_out, drop_and_pad);
+  const std::vector<int64_t> idx = index_values(got.indices);
+  ASSERT_EQ(idx, want.token);
+  const int64_t H = tokens.shape[1], E = map.shape[1];
+  const size_t row_bytes = static_cast<size_t>(H) * tokens.element_size();
+  std::vector<char> zeros(row_bytes, 0);
+  for (size_t i = 0; i < idx.size(); ++i) {
+    const char* row = static_cast<const char*>(got.permuted.data()) + i * row_bytes;
+    const char* want_row = idx[i] < 0 ? zeros.data() : static_cast<const char*>(tokens.data) + static_cast<size_t>(idx[i]) * row_bytes;
+    ASSERT_EQ(std::memcmp(row, want_row, row_bytes), 0) << "row " << i;
+    if (probs) {
+      const double want_p = idx[i] < 0 ? 0.0 : load_as_double(probs->data, probs->dtype, idx[i] * E + want.expert[i]);
+      ASSERT_EQ(load_as_double(got.permuted_probs.data(), probs->dtype, static_cast<int64_t>(i)), want_p) << "slot " << i;
+    }
+  }
+}
+
+// float64 oracle of unpermute: out[t] = sum_i x[i] * p_i.
+std::vector<double> oracle_unpermute(const Tensor& permuted, const std::vector<int64_t>& idx, const std::vector<double>* p,
+                                     int64_t T, std::vector<double>* abs_sum) {
+  const int64_t H = permuted.shape[1];
+  std::vector<double> out(static_cast<size_t>(T * H), 0.0);
+  abs_sum->assign(out.size(), 0.0);
+  for (size_t i = 0; i < idx.size(); ++i) {
+    if (idx[i] < 0) continue;
+    for (int64_t h = 0; h < H; ++h) {
+      const double term = load_as_double(permuted.data, permuted.dtype, static_cast<int64_t>(i) * H + h) * (p ? (*p)[i] : 1.0);
+      out[static_cast<size_t>(idx[i] * H + h)] += term;
+      (*abs_sum)[static_cast<size_t>(idx[i] * H + h)] += std::abs(term);
+    }
+  }
+  return out;
+}
+
+// Tolerance of unpermute against the float64 oracle: each product and each of the (at most
+// `terms`) fp32 additions rounds with unit roundoff u32, so the fp32 sum is within
+// (terms + 1) * u32 * sum|terms|; the final cast adds u_dtype * |result|, or half the
+// subnormal spacing of the dtype for results in its subnormal range (fp16: 2^-25).
+void expect_unpermute_close(const Tensor& out, const std::vector<double>& want, const std::vector<double>& abs_sum,
+                            int64_t terms) {
+  const double u32 = unit_roundoff(DType::kFloat32), u = unit_roundoff(out.dtype);
+  const double subnormal_half = out.dtype == DType::kFloat16 ? std::ldexp(1.0, -25)
+                                : out.dtype == DType::kBFloat16 ? std::ldexp(1.0, -134)
+                                                                : std::ldexp(1.0, -150);
+  for (int64_t j = 0; j < out.numel(); ++j) {
+    const double got = load_as_double(out.data, out.dtype, j);
+    const double w = want[static_cast<size_t>(j)];
+    const double tol = (terms + 1) * u32 * abs_sum[static_cast<size_t>(j)] * (1 + u) + u * std::abs(w) + subnormal_half;
+    ASSERT_LE(std::abs(got - w), tol) << "element " << j << " got " << got << " want " << w;
+  }
+}
+
+// ---------------------------------------------------------------- permute grid
+
+TEST(MoePermute, GridMatchesOracleAndPathsAreBitIdentical) {
+  std::mt19937_64 rng(test_seed());
+  // The grid with T and H kept small enough for a quick (and ASan) run; the
+  // T = H = 4096 shape runs once below.
+  for (DType dtype : float_dtypes())
+    for (int64_t E : {1, 7, 16, 128})
+      for (int64_t k : {1, 2, 5, 8}) {
+        if (k > E) continue;
+        for (int64_t T : {0, 1, 193})
+          for (int64_t H : {1, 3, 40}) {
+            SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " T=" << T << " E=" << E << " k=" << k << " H=" << H);
+            Buffer tokens(dtype, {T, H});
+            fill_normal(tokens, rng);
+            std::uniform_int_distribution<int64_t> pick(0, E - 1);
+            Buffer map = random_map(T, E, k, rng, 0.1, E > 1 ? pick(rng) : -1);
+            Buffer probs = random_probs(map, DType::kFloat32, rng);
+            const int64_t routed = moe::count_routed(map);
+            for (DType idx_dtype : {DType::kInt64, DType::kInt32}) {
+              PermuteOut a = run_permute(tokens, map, &probs.view(), std::nullopt, false, Method::kSort, idx_dtype);
+              PermuteOut b = run_permute(tokens, map, &probs.view(), routed, false, Method::kFused, idx_dtype);
+              expect_permute_matches_oracle(tokens, map, &probs.view(), a, routed, false);
+              EXPECT_TRUE(bitwise_equal(a.permuted, b.permuted));
+              EXPECT_TRUE(bitwise_equal(a.permuted_probs, b.permuted_probs));
+              EXPECT_TRUE(bitwise_equal(a.indices, b.indices));
+            }
+          }
+      }
+}
+
+TEST(MoePermute, LargeShapeOnce) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t T = 4096, E = 16, k = 2, H = 4096;
+  Buffer tokens(DType::kBFloat16, {T, H});
+  fill_normal(tokens, rng);
+  Buffer map = random_map(T, E, k, rng, 0.05, 3);
+  Buffer probs = random_probs(map, DType::kFloat32, rng);
+  const int64_t routed = moe::count_routed(map);
+  PermuteOut a = run_permute(tokens, map, &probs.view(), routed, false, Method::kSort);
+  PermuteOut b = run_permute(tokens, map, &probs.view(), routed, false, Method::kFused);
+  expect_permute_matches_oracle(tokens, map, &probs.view(), b, routed, false);
+  EXPECT_TRUE(bitwise_equal(a.permuted, b.permuted));
+  EXPECT_TRUE(bitwise_equal(a.indices, b.indices));
+  EXPECT_TRUE(bitwise_equal(a.permuted_probs, b.permuted_probs));
+  // And back, both paths bit-identical, against the float64 oracle.
+  Buffer out_a(DType::kBFloat16, {T, H}), out_b(DType::kBFloat16, {T, H});
+  moe::unpermute(b.permuted, b.indices, out_a, &probs.view(), &map.view(), false, Method::kSort);
+  moe::unpermute(b.permuted, b.indices, out_b, &probs.view(), &map.view(), false, Method::kFused);
+  EXPECT_TRUE(bitwise_equal(out_a, out_b));
+  std::vector<double> p;
+  for (int64_t i = 0; i < routed; ++i) p.push_back(load_as_double(b.permuted_probs.data(), DType::kFloat32, i));
+  std::vector<double> abs_sum;
+  const auto want = oracle_unpermute(b.permuted, index_values(b.indices), &p, T, &abs_sum);
+  expect_unpermute_close(out_b, want, abs_sum, k);
+}
+
+TEST(MoePermute, NumOutTokensIsEnforced) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t T = 97, E = 7, k = 2, H = 5;
+  Buffer tokens(DType::kFloat32, {T, H});
+  fill_normal(tokens, rng);
+  Buffer map = random_map(T, E, k, rng, 0.0);
+  const int64_t routed = moe::count_routed(map);
+  ASSERT_EQ(routed, T * k);
+  for (Method method : {Method::kSort, Method::kFused}) {
+    // Fewer declared rows than routed pairs: an error, and nothing written.
+    Buffer permuted(DType::kFloat32, {routed - 1, H}), indices(DType::kInt64, {routed - 1});
+    std::memset(permuted.data(), 0x7f, permuted.nbytes());
+    EXPECT_LEANSTEP_ERROR(moe::permute(tokens, map, nullptr, routed - 1, false, method, permuted, nullptr, indices),
+                          "num_out_tokens");
+    for (int64_t j = 0; j < permuted.numel(); ++j)
+      ASSERT_EQ(reinterpret_cast<const uint8_t*>(permuted.data())[j * 4], 0x7f);
+    // Output tensor not matching the declared rows.
+    Buffer wrong(DType::kFloat32, {routed + 1, H}), wrong_idx(DType::kInt64, {routed + 1});
+    EXPECT_LEANSTEP_ERROR(moe::permute(tokens, map, nullptr, routed, false, method, wrong, nullptr, wrong_idx),
+                          "permuted");
+    // Equal: works. Larger: the tail rows have no source (index -1, zero rows, prob 0).
+    for (int64_t extra : {0, 3}) {
+      Buffer probs = random_probs(map, DType::kFloat32, rng);
+      PermuteOut out = run_permute(tokens, map, &probs.view(), routed + extra, false, method);
+      expect_permute_matches_oracle(tokens, map, &probs.view(), out, routed + extra, false);
+      // unpermute skips the sourceless rows, with [N] probs and with [T, E] probs.
+      Buffer back(DType::kFloat32, {T, H}), back2(DType::kFloat32, {T, H});
+      moe::unpermute(out.permuted, out.indices, back, &out.permuted_probs.view(), nullptr, false, method);
+      moe::unpermute(out.permuted, out.indices, back2, &probs.view(), &map.view(), false, method);
+      EXPECT_TRUE(bitwise_equal(back, back2));
+    }
+  }
+}
+
+TEST(MoePermute, DropAndPadMatchesOracle) {
+  std::mt19937_64 rng(test_seed());
+  for (DType dtype : float_dtypes())
+    for (int64_t E : {1, 7, 16})
+      for (int64_t k : {1, 2, 5}) {
+        if (k > E) continue;
+        for (double cf : {0.5, 1.0, 1.3}) {
+          const int64_t T = 151, H = 9;
+          SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " E=" << E << " k=" << k << " cf=" << cf);
+          Buffer tokens(dtype, {T, H});
+          fill_normal(tokens, rng);
+          // A router map with capacity (pad_to_capacity), then one with excess routed tokens
+          // (drop_and_pad keeps each expert's first `capacity`).
+          Buffer logits(DType::kFloat32, {T, E});
+          fill_normal(logits, rng);
+          moe::RoutingConfig cfg;
+          cfg.topk = k;
+          cfg.capacity_factor = cf;
+          cfg.pad_to_capacity = true;
+          Buffer map(DType::kBool, {T, E}), probs(DType::kFloat32, {T, E}), tpe(DType::kInt64, {E});
+          moe::route(logits, cfg, nullptr, map, probs, tpe);
+          const int64_t capacity = std::min(T, moe::expert_capacity(T, E, k, cf));
+          Buffer excess = random_map(T, E, k, rng, 0.1, E > 1 ? 0 : -1);
+          for (const Buffer* m : {&map, &excess}) {
+            const int64_t num_out = E * capacity;
+            PermuteOut a = run_permute(tokens, *m, &probs.view(), num_out, true, Method::kSort);
+            PermuteOut b = run_permute(tokens, *m, &probs.view(), num_out, true, Method::kFused);
+            expect_permute_matches_oracle(tokens, *m, &probs.view(), a, num_out, true);
+            EXPECT_TRUE(bitwise_equal(a.permuted, b.permuted));
+            EXPECT_TRUE(bitwise_equal(a.indices, b.indices));
+            EXPECT_TRUE(bitwise_equal(a.permuted_probs, b.permuted_probs));
+            // unpermute with Megatron's [T, E] probs + routing_map form equals the [N] form.
+            Buffer back_a(dtype, {T, H}), back_b(dtype, {T, H}), back_c(dtype, {T, H});
+            moe::unpermute(a.permuted, a.indices, back_a, &probs.view(), &m->view(), true, Method::kSort);
+            moe::unpermute(a.permuted, a.indices, back_b, &probs.view(), &m->view(), true, Method::kFused);
+            moe::unpermute(a.permuted, a.indices, back_c, &a.permuted_probs.view(), nullptr, false, Method::kFused);
+            EXPECT_TRUE(bitwise_equal(back_a, back_b));
+            EXPECT_TRUE(bitwise_equal(back_a, back_c));
+          }
+        }
+      }
+}
+
+// ---------------------------------------------------------------- unpermute
+
+TEST(MoeUnpermute, MatchesFloat64OracleAndPathsAreBitIdentical) {
+  std::mt19937_64 rng(test_seed());
+  for (DType dtype : float_dtypes())
+    for (int64_t E : {1, 7, 16, 128})
+      for (int64_t k : {1, 2, 5, 8}) {
+        if (k > E) continue;
+        for (int64_t T : {0, 1, 131})
+          for (int64_t H : {1, 3, 33}) {
+            SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " T=" << T << " E=" << E << " k=" << k << " H=" << H);
+            Buffer map = random_map(T, E, k, rng, 0.1, E > 1 ? E - 1 : -1);
+            const int64_t N = moe::count_routed(map);
+            const Slots slots = oracle_slots(map, N, false);
+            Buffer permuted(dtype, {N, H});
+            fill_normal(permuted, rng);
+            Buffer indices = index_buffer(slots.token);
+            for (DType prob_dtype : {DType::kFloat32, DType::kBFloat16}) {
+              Buffer probs = random_probs(map, prob_dtype, rng);
+              Buffer permuted_probs(prob_dtype, {N});
+              std::vector<double> p(static_cast<size_t>(N));
+              for (int64_t i = 0; i < N; ++i) {
+                p[static_cast<size_t>(i)] = load_as_double(probs.data(), prob_dtype, slots.token[static_cast<size_t>(i)] * E + slots.expert[static_cast<size_t>(i)]);
+                store_from_double(permuted_probs.data(), prob_dtype, i, p[static_cast<size_t>(i)]);
+              }
+              std::vector<double> abs_sum;
+              const auto want_p = oracle_unpermute(permuted, slots.token, &p, T, &abs_sum);
+              Buffer out_sort(dtype, {T, H}), out_fused(dtype, {T, H}), out_map(dtype, {T, H});
+              moe::unpermute(permuted, indices, out_sort, &permuted_probs.view(), nullptr, false, Method::kSort);
+              moe::unpermute(permuted, indices, out_fused, &permuted_probs.view(), nullptr, false, Method::kFused);
+              moe::unpermute(permuted, indices, out_map, &probs.view(), &map.view(), false, Method::kFused);
+              expect_unpermute_close(out_fused, want_p, abs_sum, k);
+              EXPECT_TRUE(bitwise_equal(out_sort, out_fused));
+              EXPECT_TRUE(bitwise_equal(out_map, out_fused));
+            }
+            // Without probs: the plain sum; a token with one slot comes back bit-exact.
+            std::vector<double> abs_sum;
+            const auto want = oracle_unpermute(permuted, slots.token, nullptr, T, &abs_sum);
+            Buffer out_sort(dtype, {T, H}), out_fused(dtype, {T, H});
+            moe::unpermute(permuted, indices, out_sort, nullptr, nullptr, false, Method::kSort);
+            moe::unpermute(permuted, indices, out_fused, nullptr, nullptr, false, Method::kFused);
+            expect_unpermute_close(out_fused, want, abs_sum, k);
+            EXPECT_TRUE(bitwise_equal(out_sort, out_fused));
+            if (k == 1) {
+              for (int64_t i = 0; i < N; ++i)
+                ASSERT_EQ(std::memcmp(static_cast<const char*>(out_fused.data()) + slots.token[static_cast<size_t>(i)] * H * out_fused.view().element_size(),
+                                      static_cast<const char*>(permuted.data()) + i * H * permuted.view().element_size(),
+                                      static_cast<size_t>(H) * permuted.view().element_size()),
+                          0);
+            }
+            // Tokens routed nowhere come back as zero rows.
+            std::vector<int64_t> hits(static_cast<size_t>(T), 0);
+            for (int64_t t : slots.token) ++hits[static_cast<size_t>(t)];
+            for (int64_t t = 0; t < T; ++t)
+              if (hits[static_cast<size_t>(t)] == 0) {
+                for (int64_t h = 0; h < H; ++h) ASSERT_EQ(load_as_double(out_fused.data(), dtype, t * H + h), 0.0);
+              }
+          }
+      }
+}
+
+TEST(MoeUnpermute, ResultDoesNotDependOnThreadCount) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t T = 300, E = 16, k = 5, H = 70;
+  Buffer tokens(DType::kBFloat16, {T, H});
+  fill_normal(tokens, rng);
+  Buffer map = random_map(T, E, k, rng);
+  Buffer probs = random_probs(map, DType::kFloat32, rng);
+  const int threads = num_threads();
+  std::vector<Buffer> outs;
+  for (int n : {1, 2, 3}) {
+    set_num_threads(n);
+    PermuteOut p = run_permute(tokens, map, &probs.view(), std::nullopt, false, Method::kFused);
+    outs.emplace_back(DType::kBFloat16, std::vector<int64_t>{T, H});
+    moe::unpermute(p.permuted, p.indices, outs.back(), &probs.view(), &map.view(), false, Method::kFused);
+  }
+  set_num_threads(threads);
+  EXPECT_TRUE(bitwise_equal(outs[0], outs[1]));
+  EXPECT_TRUE(bitwise_equal(outs[0], outs[2]));
+}
+
+// ---------------------------------------------------------------- backward
+
+double dot(const Tensor& a, const std::vector<double>& w) {
+  double s = 0;
+  for (int64_t j = 0; j < a.numel(); ++j) s += load_as_double(a.data, a.dtype, j) * w[static_cast<size_t>(j)];
+  return s;
+}
+
+std::vector<double> random_vector(int64_t n, std::mt19937_64& rng) {
+  std::normal_distribution<double> d;
+  std::vector<double> v(static_cast<size_t>(n));
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// Finite differences of L = <w, unpermute(x, p)> in float64 along random directions. L is
+// linear in x and in p separately, so a central difference has no truncation error: what
+// remains is the fp32 rounding of the forward, bounded by ~ (k + 2) * u32 * sum|terms| / step.
+TEST(MoeBackward, UnpermuteMatchesFiniteDifferences) {
+  std::mt19937_64 rng(test_seed());
+  for (bool use_map : {false, true})
+    for (bool drop_and_pad : {false, true}) {
+      if (drop_and_pad && !use_map) continue;
+      const int64_t T = 61, E = 7, k = 3, H = 6;
+      SCOPED_TRACE(::testing::Message() << "use_map=" << use_map << " drop_and_pad=" << drop_and_pad);
+      Buffer map = random_map(T, E, k, rng);
+      const int64_t N = drop_and_pad ? E * 20 : moe::count_routed(map);
+      const Slots slots = oracle_slots(map, N, drop_and_pad);
+      Buffer indices = index_buffer(slots.token);
+      Buffer x(DType::kFloat32, {N, H});
+      fill_normal(x, rng);
+      Buffer probs_te = random_probs(map, DType::kFloat32, rng);
+      Buffer probs_n(DType::kFloat32, {N});
+      for (int64_t i = 0; i < N; ++i)
+        probs_n.data_as<float>()[i] = slots.token[static_cast<size_t>(i)] < 0 ? 0.0f
+            : probs_te.data_as<float>()[slots.token[static_cast<size_t>(i)] * E + slots.expert[static_cast<size_t>(i)]];
+      Buffer& probs = use_map ? probs_te : probs_n;
+      const Tensor* map_ptr = use_map ? &map.view() : nullptr;
+      // Loss weights are fp32 values so that dy = w exactly.
+      std::vector<double> w = random_vector(T * H, rng);
+      for (auto& x : w) x = static_cast<float>(x);
+
+      auto loss = [&](const Tensor& xx, const Tensor& pp) {
+        Buffer y(DType::kFloat32, {T, H});
+        moe::unpermute(xx, indices, y, &pp, map_ptr, drop_and_pad, Method::kFused);
+        return dot(y, w);
+      };
+      Buffer dy(DType::kFloat32, {T, H});
+      for (int64_t j = 0; j < T * H; ++j) dy.data_as<float>()[j] = static_cast<float>(w[static_cast<size_t>(j)]);
+      Buffer dx_sort(DType::kFloat32, {N, H}), dx(DType::kFloat32, {N, H});
+      Buffer dp_sort(DType::kFloat32, probs.view().ndim == 1 ? std::vector<int64_t>{N} : std::vector<int64_t>{T, E});
+      Buffer dp(DType::kFloat32, probs.view().ndim == 1 ? std::vector<int64_t>{N} : std::vector<int64_t>{T, E});
+      moe::unpermute_backward(dy, x, indices, &probs.view(), map_ptr, drop_and_pad, Method::kSort, dx_sort, &dp_sort.view());
+      moe::unpermute_backward(dy, x, indices, &probs.view(), map_ptr, drop_and_pad, Method::kFused, dx, &dp.view());
+      EXPECT_TRUE(bitwise_equal(dx_sort, dx));
+      EXPECT_TRUE(bitwise_equal(dp_sort, dp));
+
+      double abs_terms = 0;
+      for (int64_t i = 0; i < N; ++i)
+        for (int64_t h = 0; h < H; ++h) abs_terms += std::abs(x.data_as<float>()[i * H + h]) * 3.0;
+      const double step = 0.5;
+      for (int trial = 0; trial < 3; ++trial) {
+        // Direction in x (dyadic values: x +- step*v stays exact in fp32 for these magnitudes).
+        Buffer v(DType::kFloat32, {N, H}), xp(DType::kFloat32, {N, H}), xm(DType::kFloat32, {N, H});
+        std::uniform_int_distribution<int> coin(-2, 2);
+        double predicted = 0;
+        for (int64_t j = 0; j < N * H; ++j) {
+          const float vj = static_cast<float>(coin(rng)) * 0.25f;
+          xp.data_as<float>()[j] = x.data_as<float>()[j] + static_cast<float>(step) * vj;
+          xm.data_as<float>()[j] = x.data_as<float>()[j] - static_cast<float>(step) * vj;
+          predicted += static_cast<double>(dx.data_as<float>()[j]) * vj;
+        }
+        const double fd = (loss(xp, probs) - loss(xm, probs)) / (2 * step);
+        const double tol = 1e-5 * (abs_terms + std::abs(predicted)) / step + 1e-6;
+        EXPECT_NEAR(fd, predicted, tol) << "d/dx trial " << trial;
+        // Direction in probs.
+        Buffer pp(DType::kFloat32, probs.view().ndim == 1 ? std::vector<int64_t>{N} : std::vector<int64_t>{T, E});
+        Buffer pm(DType::kFloat32, probs.view().ndim == 1 ? std::vector<int64_t>{N} : std::vector<int64_t>{T, E});
+        double predicted_p = 0;
+        for (int64_t j = 0; j < probs.numel(); ++j) {
+          const float vj = static_cast<float>(coin(rng)) * 0.25f;
+          pp.data_as<float>()[j] = probs.data_as<float>()[j] + static_cast<float>(step) * vj;
+          pm.data_as<float>()[j] = probs.data_as<float>()[j] - static_cast<float>(step) * vj;
+          predicted_p += static_cast<double>(dp.data_as<float>()[j]) * vj;
+        }
+        const double fd_p = (loss(x, pp) - loss(x, pm)) / (2 * step);
+        EXPECT_NEAR(fd_p, predicted_p, 1e-5 * (abs_terms + std::abs(predicted_p)) / step + 1e-6) << "d/dp trial " << trial;
+      }
+    }
+}
+
+// Backward of permute: dtokens = scatter-add of dpermuted (float64 oracle), dprobs = scatter of
+// dpermuted_probs; and both are the adjoints of the forward gather (checked as <dy, P x> == <P^T dy, x>).
+TEST(MoeBackward, PermuteIsAdjointOfGather) {
+  std::mt19937_64 rng(test_seed());
+  for (DType dtype : float_dtypes())
+    for (bool drop_and_pad : {false, true}) {
+      const int64_t T = 83, E = 16, k = 5, H = 7;
+      SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " drop_and_pad=" << drop_and_pad);
+      Buffer map = random_map(T, E, k, rng);
+      const int64_t N = drop_and_pad ? E * 30 : moe::count_routed(map);
+      Buffer tokens(dtype, {T, H});
+      fill_normal(tokens, rng);
+      Buffer probs = random_probs(map, DType::kFloat32, rng);
+      PermuteOut fwd = run_permute(tokens, map, &probs.view(), N, drop_and_pad, Method::kFused);
+      Buffer dpermuted(dtype, {N, H}), dpp(DType::kFloat32, {N});
+      fill_normal(dpermuted, rng);
+      fill_normal(dpp, rng);
+      Buffer dtokens_sort(dtype, {T, H}), dtokens(dtype, {T, H}), dprobs(DType::kFloat32, {T, E});
+      moe::permute_backward(dpermuted, fwd.indices, dtokens_sort, Method::kSort);
+      moe::permute_backward(dpermuted, fwd.indices, dtokens, Method::kFused);
+      EXPECT_TRUE(bitwise_equal(dtokens_sort, dtokens));
+      moe::permute_probs_backward(dpp, fwd.indices, map, drop_and_pad, dprobs);
+
+      std::vector<double> abs_sum;
+      const auto want = oracle_unpermute(dpermuted, index_values(fwd.indices), nullptr, T, &abs_sum);
+      expect_unpermute_close(dtokens, want, abs_sum, drop_and_pad ? E : k);
+      // <dpermuted, P tokens> == <P^T dpermuted, tokens> in float64 (exact gather both sides,
+      // P^T dpermuted compared through the float64 oracle `want`).
+      double lhs = 0, rhs = 0, scale = 0;
+      for (int64_t j = 0; j < N * H; ++j) {
+        const double a = load_as_double(dpermuted.data(), dtype, j) * load_as_double(fwd.permuted.data(), dtype, j);
+        lhs += a;
+        scale += std::abs(a);
+      }
+      for (int64_t j = 0; j < T * H; ++j) rhs += want[static_cast<size_t>(j)] * load_as_double(tokens.data(), dtype, j);
+      EXPECT_NEAR(lhs, rhs, 1e-12 * scale + 1e-12);
+      double lhs_p = 0, rhs_p = 0;
+      for (int64_t i = 0; i < N; ++i) lhs_p += static_cast<double>(dpp.data_as<float>()[i]) * fwd.permuted_probs.data_as<float>()[i];
+      for (int64_t j = 0; j < T * E; ++j) rhs_p += static_cast<double>(dprobs.data_as<float>()[j]) * probs.data_as<float>()[j];
+      EXPECT_NEAR(lhs_p, rhs_p, 1e-5 * (std::abs(lhs_p) + 1));
+    }
+}
+
+// ---------------------------------------------------------------- empty and degenerate
+
+TEST(MoeEdgeCases, EmptyTokensAndNobodyRouted) {
+  for (Method method : {Method::kSort, Method::kFused}) {
+    // T = 0.
+    Buffer tokens(DType::kBFloat16, {0, 8}), map(DType::kBool, {0, 4}), probs(DType::kFloat32, {0, 4});
+    PermuteOut out = run_permute(tokens, map, &probs.view(), std::nullopt, false, method);
+    EXPECT_EQ(out.permuted.numel(), 0);
+    Buffer back(DType::kBFloat16, {0, 8});
+    moe::unpermute(out.permuted, out.indices, back, &probs.view(), &map.view(), false, method);
+    PermuteOut padded = run_permute(tokens, map, &probs.view(), 0, true, method);
+    EXPECT_EQ(padded.permuted.numel(), 0);
+    // Nobody routed: zero rows out, zeros back.
+    Buffer tokens2(DType::kFloat32, {5, 3}), map2(DType::kBool, {5, 4}), back2(DType::kFloat32, {5, 3});
+    std::mt19937_64 rng(1);
+    fill_normal(tokens2, rng);
+    PermuteOut none = run_permute(tokens2, map2, nullptr, std::nullopt, false, method);
+    EXPECT_EQ(none.permuted.numel(), 0);
+    moe::unpermute(none.permuted, none.indices, back2, nullptr, nullptr, false, method);
+    for (int64_t j = 0; j < back2.numel(); ++j) EXPECT_EQ(back2.data_as<float>()[j], 0.0f);
+  }
+}
+
+// ---------------------------------------------------------------- 64-bit indexing
+
+// Row offsets beyond 2^31 elements without allocating them: a virtual (never touched)
+// mapping of T * H > 2^31 fp16 elements, where only the last row is routed / read.
+TEST(MoeIndexing, OffsetsBeyond2To31Elements) {
+  const int64_t H = 1024, T = (int64_t{1} << 21) + 3;  // T * H = 2^31 + 3072 elements
+  static_assert(sizeof(size_t) == 8);
+  const size_t bytes = static_cast<size_t>(T * H) * 2;
+  void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (mem == MAP_FAILED) GTEST_SKIP() << "cannot reserve " << bytes << " bytes of address space";
+  uint16_t* data = static_cast<uint16_t*>(mem);
+  const int64_t last = T - 1;
+  for (int64_t h = 0; h < H; ++h) data[last * H + h] = float_to_half(static_cast<float>(h % 97) - 48.0f);
+  Tensor big(mem, DType::kFloat16, {T, H});
+  {
+    // permute: the one routed pair is the last token.
+    Buffer map(DType::kBool, {T, 2});
+    map.data_as<uint8_t>()[last * 2 + 1] = 1;
+    // Fused only: the reference stable-sorts E * T = 4M keys, too slow for the ASan run.
+    PermuteOut out = run_permute(big, map, nullptr, std::nullopt, false, Method::kFused);
+    ASSERT_EQ(out.permuted.numel(), H);
+    EXPECT_EQ(out.indices.data_as<int64_t>()[0], last);
+    EXPECT_EQ(std::memcmp(out.permuted.data(), data + last * H, static_cast<size_t>(H) * 2), 0);
+  }
+  {
+    // unpermute: T rows of permuted, all sourceless (-1) except the last, into one token.
+    std::vector<int64_t> idx(static_cast<size_t>(T), -1);
+    idx.back() = 0;
+    Buffer indices = index_buffer(idx);
+    Buffer out(DType::kFloat16, {1, H});
+    for (Method method : {Method::kSort, Method::kFused}) {
+      moe::unpermute(big, indices, out, nullptr, nullptr, false, method);
+      EXPECT_EQ(std::memcmp(out.data(), data + last * H, static_cast<size_t>(H) * 2), 0) << moe::method_name(method);
+    }
+  }
+  munmap(mem, bytes);
+}
+
+// ---------------------------------------------------------------- bad input
+
+TEST(MoeErrors, BadInputIsRejectedWithNamedArguments) {
+  Buffer tokens(DType::kFloat32, {4, 3}), map(DType::kBool, {4, 2}), probs(DType::kFloat32, {4, 2});
+  map.data_as<uint8_t>()[0] = 1;
+  map.data_as<uint8_t>()[3] = 1;
+  Buffer permuted(DType::kFloat32, {2, 3}), pprobs(DType::kFloat32, {2}), idx(DType::kInt64, {2});
+  const Method m = Method::kFused;
+  Buffer tokens_bad(DType::kFloat32, {5, 3});
+  EXPECT_LEANSTEP_ERROR(moe::permute(tokens_bad, map, nullptr, 2, false, m, permuted, nullptr, idx), "'tokens'");
+  Buffer probs_bad(DType::kFloat32, {4, 3});
+  EXPECT_LEANSTEP_ERROR(moe::permute(tokens, map, &probs_bad.view(), 2, false, m, permuted, &pprobs.view(), idx), "'probs'");
+  EXPECT_LEANSTEP_ERROR(moe::permute(tokens, map, &probs.view(), 2, false, m, permuted, nullptr, idx), "'permuted_probs'");
+  Buffer map_int(DType::kUInt8, {4, 2});
+  EXPECT_LEANSTEP_ERROR(moe::permute(tokens, map_int, nullptr, 2, false, m, permuted, nullptr, idx), "'routing_map'");
+  Buffer permuted_bf16(DType::kBFloat16, {2, 3});
+  EXPECT_LEANSTEP_ERROR(moe::permute(tokens, map, nullptr, 2, false, m, permuted_bf16, nullptr, idx), "'permuted'");
+  Buffer idx_float(DType::kFloat32, {2});
+  EXPECT_LEANSTEP_ERROR(moe::permute(tokens, map, nullptr, 2, false, m, permuted, nullptr, idx_float), "'sorted_indices'");
+  EXPECT_LEANSTEP_ERROR(moe::permute(tokens, map, nullptr, 1, false, m, permuted, nullptr, idx), "'permuted'");
+  EXPECT_LEANSTEP_ERROR(moe::permute(tokens, map, nullptr, -1, false, m, permuted, nullptr, idx), "'num_out_tokens'");
+  EXPECT_LEANSTEP_ERROR(moe::permute(tokens, map, nullptr, std::nullopt, true, m, permuted, nullptr, idx), "'num_out_tokens'");
+  EXPECT_LEANSTEP_ERROR(moe::permute(tokens, map, nullptr, 3, true, m, permuted, nullptr, idx), "multiple of E");
+  EXPECT_LEANSTEP_ERROR(moe::permute(tokens, map, nullptr, 10, true, m, permuted, nullptr, idx), "capacity");
+  // Output aliasing an input.
+  Tensor alias(tokens.data(), DType::kFloat32, {2, 3});
+  EXPECT_LEANSTEP_ERROR(moe::permute(tokens, map, nullptr, 2, false, m, alias, nullptr, idx), "overlap");
+  EXPECT_LEANSTEP_ERROR(moe::method_from_name("radix"), "'method'");
+
+  // unpermute: indices out of range, probs of the wrong form, shapes.
+  Buffer out(DType::kFloat32, {4, 3});
+  Buffer bad_idx = index_buffer({0, 4});
+  EXPECT_LEANSTEP_ERROR(moe::unpermute(permuted, bad_idx, out, nullptr, nullptr, false, m), "'sorted_indices'");
+  Buffer neg_idx = index_buffer({0, -2});
+  EXPECT_LEANSTEP_ERROR(moe::unpermute(permuted, neg_idx, out, nullptr, nullptr, false, m), "[-1, T=4)");
+  Buffer good_idx = index_buffer({0, 1});
+  Buffer probs3(DType::kFloat32, {3});
+  EXPECT_LEANSTEP_ERROR(moe::unpermute(permuted, good_idx, out, &probs3.view(), nullptr, false, m), "'probs'");
+  EXPECT_LEANSTEP_ERROR(moe::unpermute(permuted, good_idx, out, &probs_bad.view(), &map.view(), false, m), "'probs'");
+  Buffer out_bad(DType::kFloat32, {4, 2});
+  EXPECT_LEANSTEP_ERROR(moe::unpermute(permuted, good_idx, out_bad, nullptr, nullptr, false, m), "'out'");
+  Buffer three_idx = index_buffer({0, 1, 2});
+  Buffer permuted3(DType::kFloat32, {3, 3});
+  // [T, E] probs need exactly one slot per routed pair (2 routed here, 3 slots, last not -1).
+  EXPECT_LEANSTEP_ERROR(moe::unpermute(permuted3, three_idx, out, &probs.view(), &map.view(), false, m), "-1 beyond");
+  EXPECT_LEANSTEP_ERROR(moe::unpermute(permuted3, three_idx, out, &probs.view(), &map.view(), true, m), "E * capacity");
+  EXPECT_LEANSTEP_ERROR(moe::permute_backward(permuted, bad_idx, out, m), "permute_backward: argument 'sorted_indices'");
+  EXPECT_LEANSTEP_ERROR(moe::permute_backward(permuted, good_idx, out_bad, m), "'dtokens'");
+  Buffer dpermuted(DType::kFloat32, {2, 3}), dp(DType::kFloat32, {2});
+  EXPECT_LEANSTEP_ERROR(moe::unpermute_backward(out, permuted, good_idx, nullptr, nullptr, false, m, dpermuted, &dp.view()),
+                        "'dprobs'");
+  // int32 indices are fine below 2^31.
+  Buffer idx32(DType::kInt32, {2});
+  moe::permute(tokens, map, nullptr, 2, false, m, permuted, nullptr, idx32);
+  EXPECT_EQ(idx32.data_as<int32_t>()[0], 0);
+  EXPECT_EQ(idx32.data_as<int32_t>()[1], 1);
+}
+
+}  // namespace
+}  // namespace leanstep::testing
