@@ -31,6 +31,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -100,6 +101,10 @@ struct TypeName<T&> {
 template <class T>
 struct TypeName<std::span<T>> {
   static std::string name() { return "span<" + TypeName<T>::name() + ">"; }
+};
+template <class T>
+struct TypeName<std::optional<T>> {
+  static std::string name() { return "optional<" + TypeName<T>::name() + ">"; }
 };
 template <class T>
 struct TypeName<std::vector<T>> {

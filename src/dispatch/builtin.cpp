@@ -17,7 +17,9 @@ Registry& registry() {
 namespace detail {
 
 void register_builtin_ops(Registry& reg) {
-  (void)reg;
+  register_grad_ops(reg);
+  register_rmsnorm_ops(reg);
+  register_moe_ops(reg);
 }
 
 }  // namespace detail

@@ -1,0 +1,96 @@
+// MoE permutation ops: the "sort" method is the reference, "fused" the fast path.
+#include "dispatch/builtin.h"
+#include "leanstep/ops.h"
+
+namespace leanstep::ops {
+namespace {
+
+template <moe::Method kMethod>
+void permute(const Tensor& tokens, const Tensor& routing_map, const Tensor* probs,
+             std::optional<int64_t> num_out_tokens, bool drop_and_pad, const Tensor& permuted,
+             const Tensor* permuted_probs, const Tensor& sorted_indices) {
+  moe::permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad, kMethod, permuted, permuted_probs,
+               sorted_indices);
+}
+template <moe::Method kMethod>
+void unpermute(const Tensor& permuted, const Tensor& sorted_indices, const Tensor& out, const Tensor* probs,
+               const Tensor* routing_map, bool drop_and_pad) {
+  moe::unpermute(permuted, sorted_indices, out, probs, routing_map, drop_and_pad, kMethod);
+}
+template <moe::Method kMethod>
+void permute_backward(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens) {
+  moe::permute_backward(dpermuted, sorted_indices, dtokens, kMethod);
+}
+template <moe::Method kMethod>
+void unpermute_backward(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices,
+                        const Tensor* probs, const Tensor* routing_map, bool drop_and_pad, const Tensor& dpermuted,
+                        const Tensor* dprobs) {
+  moe::unpermute_backward(dout, permuted, sorted_indices, probs, routing_map, drop_and_pad, kMethod, dpermuted,
+                          dprobs);
+}
+
+// The fused method handles every input the sort method does (bit-identical
+// outputs), so it has no guard.
+template <class Sig>
+dispatch::Op<Sig>* make_op(const char* name, typename dispatch::Op<Sig>::Fn sort,
+                           typename dispatch::Op<Sig>::Fn fused) {
+  auto* op = new dispatch::Op<Sig>(name, "sort", sort);
+  op->install("fused", fused, "", "built-in");
+  return op;
+}
+
+}  // namespace
+
+dispatch::Op<MoePermuteSig>& moe_permute_op() {
+  static auto* op = make_op<MoePermuteSig>("moe.permute", &permute<moe::Method::kSort>,
+                                           &permute<moe::Method::kFused>);
+  return *op;
+}
+dispatch::Op<MoeUnpermuteSig>& moe_unpermute_op() {
+  static auto* op = make_op<MoeUnpermuteSig>("moe.unpermute", &unpermute<moe::Method::kSort>,
+                                             &unpermute<moe::Method::kFused>);
+  return *op;
+}
+dispatch::Op<MoePermuteBackwardSig>& moe_permute_backward_op() {
+  static auto* op = make_op<MoePermuteBackwardSig>("moe.permute_backward", &permute_backward<moe::Method::kSort>,
+                                                   &permute_backward<moe::Method::kFused>);
+  return *op;
+}
+dispatch::Op<MoeUnpermuteBackwardSig>& moe_unpermute_backward_op() {
+  static auto* op = make_op<MoeUnpermuteBackwardSig>("moe.unpermute_backward",
+                                                     &unpermute_backward<moe::Method::kSort>,
+                                                     &unpermute_backward<moe::Method::kFused>);
+  return *op;
+}
+
+void moe_permute(const Tensor& tokens, const Tensor& routing_map, const Tensor* probs,
+                 std::optional<int64_t> num_out_tokens, bool drop_and_pad, const Tensor& permuted,
+                 const Tensor* permuted_probs, const Tensor& sorted_indices) {
+  moe_permute_op()(tokens, routing_map, probs, num_out_tokens, drop_and_pad, permuted, permuted_probs,
+                   sorted_indices);
+}
+void moe_unpermute(const Tensor& permuted, const Tensor& sorted_indices, const Tensor& out, const Tensor* probs,
+                   const Tensor* routing_map, bool drop_and_pad) {
+  moe_unpermute_op()(permuted, sorted_indices, out, probs, routing_map, drop_and_pad);
+}
+void moe_permute_backward(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens) {
+  moe_permute_backward_op()(dpermuted, sorted_indices, dtokens);
+}
+void moe_unpermute_backward(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices,
+                            const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
+                            const Tensor& dpermuted, const Tensor* dprobs) {
+  moe_unpermute_backward_op()(dout, permuted, sorted_indices, probs, routing_map, drop_and_pad, dpermuted, dprobs);
+}
+
+}  // namespace leanstep::ops
+
+namespace leanstep::dispatch::detail {
+
+void register_moe_ops(Registry& reg) {
+  reg.add(ops::moe_permute_op());
+  reg.add(ops::moe_unpermute_op());
+  reg.add(ops::moe_permute_backward_op());
+  reg.add(ops::moe_unpermute_backward_op());
+}
+
+}  // namespace leanstep::dispatch::detail
