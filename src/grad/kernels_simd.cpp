@@ -29,7 +29,7 @@ HWY_INLINE auto F32ToBF16Bits(DF, hn::Vec<DF> v) {
   const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
   const auto rounded = hn::Add(bits, hn::Add(hn::Set(du, 0x7FFFu), lsb));
   const auto quiet_nan = hn::Or(bits, hn::Set(du, 0x00400000u));
-  const auto out = hn::IfThenElse(hn::RebindMask(du, hn::Ne(v, v)), quiet_nan, rounded);
+  const auto out = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), quiet_nan, rounded);
   return hn::ShiftRight<16>(out);
 }
 
@@ -115,8 +115,9 @@ void Run(typename Io::T* HWY_RESTRICT p, int64_t n, float scale, Partial& out) {
       sum0 = hn::Add(sum0, hn::PromoteTo(dd, hn::LowerHalf(dfh, a)));
       sum1 = hn::Add(sum1, hn::PromoteTo(dd, hn::UpperHalf(dfh, a)));
     } else if constexpr (kKind == static_cast<int>(NormKind::kInf)) {
-      // NaN lanes are tracked apart (x86 max would drop them) and excluded from the max.
-      const auto is_nan = hn::Ne(v, v);
+      // NaN lanes are tracked apart (x86 max would drop them) and excluded from the
+      // max. IsNaN, not Ne(v, v): Highway compares ordered, so NaN != NaN is false.
+      const auto is_nan = hn::IsNaN(v);
       nan_seen = hn::Or(nan_seen, hn::VecFromMask(df, is_nan));
       vmax = hn::Max(vmax, hn::IfThenZeroElse(is_nan, hn::Abs(v)));
     }
