@@ -195,7 +195,7 @@ void run_diff(const DiffArgs& args) {
   if (a.is_object() && b.is_object())
     for (const char* key : {"model_type", "parallel", "lora_rank", "targets"})
       if (a.contains(key) && b.contains(key) && a[key] != b[key])
-        std::printf("note: %s differs: %s vs %s\n", key, a[key].dump().c_str(), b[key].dump().c_str());
+        std::printf("note: plan key %s differs: %s vs %s\n", key, a[key].dump().c_str(), b[key].dump().c_str());
   lora::LayoutDiff d = lora::diff_layouts(ra, rb, args.a, args.b, args.max_lines);
   for (const std::string& line : d.differences) std::printf("%s\n", line.c_str());
   if (d.identical()) {

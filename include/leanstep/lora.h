@@ -232,7 +232,8 @@ std::vector<RankLayout> read_rank_layouts(const nlohmann::json& doc, std::string
 std::vector<RankLayout> load_rank_layouts(const std::string& path);
 
 struct LayoutDiff {
-  // Readable lines, at most `max_lines_per_rank` per rank (then one "... N more" line).
+  // Readable lines: per group of ranks with the same differences, a "rank (...)" head line,
+  // then at most `max_lines_per_rank` indented differences (then one "... N more" line).
   std::vector<std::string> differences;
   int64_t count = 0;           // all differences found, printed or not
   int64_t ranks_compared = 0;  // ranks in either input
@@ -241,7 +242,8 @@ struct LayoutDiff {
 };
 
 // Compares rank by rank (missing ranks, renamed/missing/extra tensors,
-// changed shapes and dtypes, changed registration order).
+// changed shapes and dtypes, changed registration order). `count` counts every
+// difference of every rank; ranks with the same differences print once.
 LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<RankLayout>& b,
                         std::string_view a_label = "A", std::string_view b_label = "B",
                         int64_t max_lines_per_rank = 20);

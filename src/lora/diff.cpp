@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -110,15 +111,15 @@ LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<Rank
   for (auto& [k, _] : rb) keys.insert(k);
 
   LayoutDiff diff;
+  std::vector<std::pair<std::vector<RankKey>, std::vector<std::string>>> groups;
   diff.ranks_compared = static_cast<int64_t>(keys.size());
   for (const RankKey& key : keys) {
-    const std::string label = rank_label(key);
     std::vector<std::string> lines;
     auto ita = ra.find(key), itb = rb.find(key);
     if (ita == ra.end() || itb == rb.end()) {
       bool in_a = ita != ra.end();
       const RankLayout& present = in_a ? *ita->second : *itb->second;
-      lines.push_back(fmt::format("{}: missing in {} ({} has {} tensors)", label, in_a ? b_label : a_label,
+      lines.push_back(fmt::format("missing in {} ({} has {} tensors)", in_a ? b_label : a_label,
                                   in_a ? a_label : b_label, present.layout.size()));
     } else {
       const auto& la = ita->second->layout;
@@ -130,7 +131,7 @@ LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<Rank
       // names only in A and a run only in B of the same length, shapes and dtypes are
       // renames; anything else is missing or extra.
       auto only_a_line = [&](const TensorSpec& t, std::string_view side) {
-        return fmt::format("{}: tensor {} {} {} is in {} only", label, t.name, shape_text(t.shape), dtype_name(t.dtype),
+        return fmt::format("tensor {} {} {} is in {} only", t.name, shape_text(t.shape), dtype_name(t.dtype),
                            side);
       };
       size_t ia = 0, ib = 0;
@@ -143,7 +144,7 @@ LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<Rank
           renames = la[ia + k].shape == lb[ib + k].shape && la[ia + k].dtype == lb[ib + k].dtype;
         if (renames) {
           for (size_t k = 0; k < ea - ia; ++k)
-            lines.push_back(fmt::format("{}: renamed tensor {} -> {} ({} {})", label, la[ia + k].name, lb[ib + k].name,
+            lines.push_back(fmt::format("renamed tensor {} -> {} ({} {})", la[ia + k].name, lb[ib + k].name,
                                         shape_text(la[ia + k].shape), dtype_name(la[ia + k].dtype)));
         } else {
           for (size_t k = ia; k < ea; ++k) lines.push_back(only_a_line(la[k], a_label));
@@ -160,10 +161,10 @@ LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<Rank
         common_a.push_back(t.name);
         const TensorSpec& u = lb[it->second];
         if (t.shape != u.shape)
-          lines.push_back(fmt::format("{}: tensor {} changed shape {} -> {}", label, t.name, shape_text(t.shape),
+          lines.push_back(fmt::format("tensor {} changed shape {} -> {}", t.name, shape_text(t.shape),
                                       shape_text(u.shape)));
         if (t.dtype != u.dtype)
-          lines.push_back(fmt::format("{}: tensor {} changed dtype {} -> {}", label, t.name, dtype_name(t.dtype),
+          lines.push_back(fmt::format("tensor {} changed dtype {} -> {}", t.name, dtype_name(t.dtype),
                                       dtype_name(u.dtype)));
       }
       // Registration order is the gradient buffer's order: a permutation changes the layout.
@@ -171,8 +172,8 @@ LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<Rank
         if (pos_a.count(t.name)) common_b.push_back(t.name);
       for (size_t i = 0; i < common_a.size(); ++i) {
         if (common_a[i] != common_b[i]) {
-          lines.push_back(fmt::format("{}: registration order differs: {} is followed by {} in {} but by {} in {}",
-                                      label, i ? common_a[i - 1] : "(start)", common_a[i], a_label, common_b[i],
+          lines.push_back(fmt::format("registration order differs: {} is followed by {} in {} but by {} in {}",
+                                      i ? common_a[i - 1] : "(start)", common_a[i], a_label, common_b[i],
                                       b_label));
           break;
         }
@@ -181,14 +182,30 @@ LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<Rank
     if (lines.empty()) continue;
     ++diff.ranks_differing;
     diff.count += static_cast<int64_t>(lines.size());
+    // Ranks with the same differences (typically every TP/EP rank of a stage) print once.
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.second == lines; });
+    if (it == groups.end()) groups.push_back({{key}, std::move(lines)});
+    else it->first.push_back(key);
+  }
+  for (auto& [group_keys, lines] : groups) {
+    std::string head = rank_label(group_keys[0]);
+    if (group_keys.size() > 1) {
+      head += fmt::format(" and {} more rank{} with the same differences:", group_keys.size() - 1,
+                          group_keys.size() > 2 ? "s" : "");
+      for (size_t k = 1; k < group_keys.size() && k <= 8; ++k)
+        head += fmt::format(" ({}, {}, {})", std::get<0>(group_keys[k]), std::get<1>(group_keys[k]),
+                            std::get<2>(group_keys[k]));
+      if (group_keys.size() > 9) head += " ...";
+    }
+    diff.differences.push_back(head + ":");
     int64_t shown = 0;
     for (auto& line : lines) {
       if (shown == max_lines_per_rank) {
-        diff.differences.push_back(fmt::format("{}: ... and {} more differences", label,
-                                               static_cast<int64_t>(lines.size()) - shown));
+        diff.differences.push_back(
+            fmt::format("  ... and {} more differences", static_cast<int64_t>(lines.size()) - shown));
         break;
       }
-      diff.differences.push_back(std::move(line));
+      diff.differences.push_back("  " + std::move(line));
       ++shown;
     }
   }
