@@ -252,12 +252,13 @@ std::string format_plan(const CrossoverPlan& plan) {
   for (const auto& a : plan.allocations) aw = std::max(aw, a.size());
   std::vector<size_t> cw(plan.conditions.size(), 0);
   for (const auto& c : plan.conditions) cw[0] = std::max(cw[0], c.size());
-  std::string header = fmt::format("{:<{}}  {:<{}}", "run", w, "allocation", aw);
+  std::string header = fmt::format("{:<{}}  {:<{}}", "run", w, "allocation", aw);  // trailing spaces trimmed below
   for (size_t p = 0; p < plan.conditions.size(); ++p) {
     const int64_t first = plan.warmup + static_cast<int64_t>(p) * plan.block_steps;
     header += fmt::format("  {:<{}}", fmt::format("block {} [{}-{})", p, first, first + plan.block_steps),
                           std::max(cw[0], size_t{16}));
   }
+  while (!header.empty() && header.back() == ' ') header.pop_back();
   out += header + "\n" + std::string(header.size(), '-') + "\n";
   for (const auto& r : plan.runs) {
     std::string line = fmt::format("{:<{}}  {:<{}}", r.name, w, r.allocation, aw);

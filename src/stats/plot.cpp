@@ -118,14 +118,26 @@ void write_svg_figure(const std::string& path, const std::string& title, const s
     svg += fmt::format("<text x=\"{}\" y=\"{}\" font-size=\"12\" fill=\"#333\">{}</text>\n", lx + 19, ly, esc(item.label));
     lx += 19 + 7.2 * static_cast<double>(item.label.size()) + 18;
   }
-  svg += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"14\" height=\"10\" fill=\"#000\" fill-opacity=\"0.09\"/>\n", lx, ly - 9);
-  svg += fmt::format("<text x=\"{}\" y=\"{}\" font-size=\"12\" fill=\"#333\">warm-up</text>\n", lx + 19, ly);
-  lx += 90;
-  svg += fmt::format("<line x1=\"{0}\" y1=\"{1}\" x2=\"{0}\" y2=\"{2}\" stroke=\"#666\" stroke-dasharray=\"4 3\"/>\n", lx + 7, ly - 11, ly + 2);
-  svg += fmt::format("<text x=\"{}\" y=\"{}\" font-size=\"12\" fill=\"#333\">block boundary</text>\n", lx + 19, ly);
-  lx += 130;
-  svg += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"14\" height=\"10\" fill=\"#E69F00\" fill-opacity=\"0.10\"/>\n", lx, ly - 9);
-  svg += fmt::format("<text x=\"{}\" y=\"{}\" font-size=\"12\" fill=\"#333\">excluded after transition</text>\n", lx + 19, ly);
+  bool any_shaded = false, any_boundary = false, any_light = false;
+  for (const auto& p : panels) {
+    any_shaded = any_shaded || !p.shaded.empty();
+    any_boundary = any_boundary || !p.boundaries.empty();
+    any_light = any_light || !p.light.empty();
+  }
+  if (any_shaded) {
+    svg += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"14\" height=\"10\" fill=\"#000\" fill-opacity=\"0.09\"/>\n", lx, ly - 9);
+    svg += fmt::format("<text x=\"{}\" y=\"{}\" font-size=\"12\" fill=\"#333\">warm-up</text>\n", lx + 19, ly);
+    lx += 90;
+  }
+  if (any_boundary) {
+    svg += fmt::format("<line x1=\"{0}\" y1=\"{1}\" x2=\"{0}\" y2=\"{2}\" stroke=\"#666\" stroke-dasharray=\"4 3\"/>\n", lx + 7, ly - 11, ly + 2);
+    svg += fmt::format("<text x=\"{}\" y=\"{}\" font-size=\"12\" fill=\"#333\">block boundary</text>\n", lx + 19, ly);
+    lx += 130;
+  }
+  if (any_light) {
+    svg += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"14\" height=\"10\" fill=\"#E69F00\" fill-opacity=\"0.10\"/>\n", lx, ly - 9);
+    svg += fmt::format("<text x=\"{}\" y=\"{}\" font-size=\"12\" fill=\"#333\">excluded after transition</text>\n", lx + 19, ly);
+  }
 
   for (size_t pi = 0; pi < panels.size(); ++pi) {
     const auto& p = panels[pi];
@@ -148,8 +160,8 @@ void write_svg_figure(const std::string& path, const std::string& title, const s
     for (const auto& [a, b] : p.shaded) {
       svg += fmt::format("<rect x=\"{:.2f}\" y=\"{}\" width=\"{:.2f}\" height=\"{}\" fill=\"#000\" fill-opacity=\"0.09\" clip-path=\"url(#{})\"/>\n",
                          X(a - 0.5), y0, X(b - 0.5) - X(a - 0.5), y1 - y0, clip);
-      svg += fmt::format("<text x=\"{:.2f}\" y=\"{}\" font-size=\"10\" fill=\"#666\">warm-up</text>\n",
-                         std::max(X(a - 0.5), x0) + 3, y0 + 11);
+      svg += fmt::format("<text x=\"{:.2f}\" y=\"{}\" font-size=\"10\" fill=\"#666\" stroke=\"#fff\" stroke-width=\"3\" paint-order=\"stroke\">warm-up</text>\n",
+                         std::max(X(a - 0.5), x0) + 3, y0 + 24);
     }
     for (double t : yticks) {
       svg += fmt::format("<line x1=\"{}\" y1=\"{:.2f}\" x2=\"{}\" y2=\"{:.2f}\" stroke=\"#e4e4e4\"/>\n", x0, Y(t), x1, Y(t));
@@ -194,7 +206,7 @@ void write_svg_figure(const std::string& path, const std::string& title, const s
       if (!std::isfinite(y)) continue;
       svg += fmt::format("<line x1=\"{}\" y1=\"{:.2f}\" x2=\"{}\" y2=\"{:.2f}\" stroke=\"#333\" stroke-width=\"0.8\" stroke-dasharray=\"2 2\"/>\n",
                          x0, Y(y), x1, Y(y));
-      svg += fmt::format("<text x=\"{}\" y=\"{:.2f}\" font-size=\"10\" fill=\"#333\" text-anchor=\"end\">{}</text>\n",
+      svg += fmt::format("<text x=\"{}\" y=\"{:.2f}\" font-size=\"10\" fill=\"#333\" text-anchor=\"end\" stroke=\"#fff\" stroke-width=\"3\" paint-order=\"stroke\">{}</text>\n",
                          x1 - 4, Y(y) - 3, esc(label));
     }
     if (above)

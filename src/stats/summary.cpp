@@ -51,7 +51,10 @@ double percentile_sorted(const std::vector<double>& sorted, double q) {
 
 std::string list_steps(const std::vector<int64_t>& steps, size_t limit) {
   std::string s;
-  for (size_t i = 0; i < steps.size() && i < limit; ++i) s += (i ? ", " : "") + std::to_string(steps[i]);
+  for (size_t i = 0; i < steps.size() && i < limit; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(steps[i]);
+  }
   if (steps.size() > limit) s += fmt::format(", ... {} more", steps.size() - limit);
   return s;
 }
@@ -216,7 +219,10 @@ namespace {
 const StepSeries& single_run(const std::vector<StepSeries>& series, const char* side) {
   if (series.size() != 1) {
     std::string names;
-    for (const auto& s : series) names += (names.empty() ? "'" : ", '") + s.run + "'";
+    for (const auto& s : series) {
+      if (!names.empty()) names += ", ";
+      names += "'" + s.run + "'";
+    }
     throw Error(fmt::format("compare: argument '{}' must hold exactly one run (got {}: {})", side, series.size(),
                             names.empty() ? "none" : names));
   }
@@ -315,7 +321,10 @@ std::string missing_lines(const RunSummary& r) {
     for (const auto& [s, ranks] : r.incomplete) steps.push_back(s);
     const auto& first = r.incomplete.front();
     std::string ranks;
-    for (int rk : first.second) ranks += (ranks.empty() ? "" : ",") + std::to_string(rk);
+    for (int rk : first.second) {
+      if (!ranks.empty()) ranks += ",";
+      ranks += std::to_string(rk);
+    }
     out += fmt::format("  run '{}': {} step(s) with missing ranks, excluded (step {} lacks rank {}): {}\n", r.run,
                        r.incomplete.size(), first.first, ranks, list_steps(steps));
   }
@@ -330,7 +339,10 @@ std::string format_summary_table(const std::vector<RunSummary>& summaries) {
   for (const auto& r : summaries) max_windows = std::max(max_windows, r.windows.size());
   for (const auto& r : summaries) {
     std::string windows;
-    for (size_t w = 0; w < r.windows.size(); ++w) windows += (w ? " " : "") + fmt::format("{:.2f}", r.windows[w] * 1e3);
+    for (size_t w = 0; w < r.windows.size(); ++w) {
+      if (w) windows += " ";
+      windows += fmt::format("{:.2f}", r.windows[w] * 1e3);
+    }
     rows.push_back({r.run, std::to_string(r.num_ranks), fmt::format("{}/{}", r.steps_used, r.steps_logged),
                     format_seconds(r.mean_s), format_seconds(r.median_s), format_seconds(r.min_s),
                     format_seconds(r.max_s), windows.empty() ? "-" : windows,
@@ -351,7 +363,7 @@ std::string format_summary_table(const std::vector<RunSummary>& summaries) {
 
 std::string format_comparison(const Comparison& c) {
   std::string out = format_summary_table({c.old_run, c.new_run});
-  out += fmt::format("\nnew vs old: mean {} , median {} (new/old - 1; negative = faster)\n",
+  out += fmt::format("\nnew vs old: mean {}, median {} (new/old - 1; negative = faster)\n",
                      format_percent(c.mean_change), format_percent(c.median_change));
   out += fmt::format("windows improved: {} of {}\n", c.windows_improved, c.windows_compared);
   auto agreement = [](const char* what, const std::optional<double>& mae, const std::optional<double>& mx) {
