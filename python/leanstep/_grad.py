@@ -41,16 +41,18 @@ class GradPlan:
 
     The plan keeps the grad arrays alive; it is valid as long as their memory
     is (reuse it every step: that is what it is for). ``buffers`` optionally
-    declares the flat buffers every grad must lie in (checked)."""
+    declares the flat buffers every grad must lie in (checked). Results are
+    arrays of the grads' framework; ``like=`` (an array) chooses it when the
+    list is empty (default: NumPy)."""
 
-    def __init__(self, grads, buffers=()):
+    def __init__(self, grads, buffers=(), *, like=None):
         torch = torch_module()
         if torch is not None and isinstance(grads, torch.Tensor):
             grads = [grads]
         self._grads = [view(g) for g in grads]
         self._buffers = [view(b) for b in buffers]
         self._core = _leanstep.GradPlanCore(self._grads, self._buffers)
-        self._like = self._grads[0] if self._grads else None
+        self._like = self._grads[0] if self._grads else like
 
     # -- what the plan found
     num_tensors = property(lambda self: self._core.num_tensors)

@@ -105,33 +105,40 @@ class RMSNorm(torch.nn.RMSNorm):
     Extra keyword-only arguments: ``zero_centered_gamma`` (g = 1 + weight, the
     Qwen3-Next / "layernorm 1p" convention; the weight itself is stored as is)
     and ``rounding`` ("scale_then_cast", torch's order, or "cast_then_scale",
-    HF Llama's). ``last_decision`` holds the path of the latest call:
+    HF Llama's), and ``frozen_only``: run leanstep only on the frozen path
+    (a trainable weight then runs torch's own forward, unchanged).
+    ``last_decision`` holds the path of the latest call:
     ``{"path": "frozen_fused" | "general" | "torch", "reason": ...}``."""
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None,
-                 dtype=None, *, zero_centered_gamma=False, rounding="scale_then_cast"):
+                 dtype=None, *, zero_centered_gamma=False, rounding="scale_then_cast",
+                 frozen_only=False):
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine,
                          device=device, dtype=dtype)
         self.zero_centered_gamma = zero_centered_gamma
         self.rounding = rounding
+        self.frozen_only = frozen_only
         self.last_decision = None
         if zero_centered_gamma and self.weight is not None:
             with torch.no_grad():
                 self.weight.zero_()  # g = 1 + 0: the identity scale, like ones for plain gamma
 
     @classmethod
-    def from_torch(cls, norm, *, zero_centered_gamma=False, rounding="scale_then_cast"):
+    def from_torch(cls, norm, *, zero_centered_gamma=False, rounding="scale_then_cast",
+                   frozen_only=False):
         """A leanstep RMSNorm sharing ``norm``'s weight Parameter (no copy)."""
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
         new.normalized_shape = tuple(norm.normalized_shape)
         new.eps = norm.eps
         new.elementwise_affine = norm.elementwise_affine
-        new.weight = norm.weight if norm.elementwise_affine else None
-        if not norm.elementwise_affine:
+        if norm.elementwise_affine:
+            new.weight = norm.weight  # the same Parameter object
+        else:
             new.register_parameter("weight", None)
         new.zero_centered_gamma = zero_centered_gamma
         new.rounding = rounding
+        new.frozen_only = frozen_only
         new.last_decision = None
         return new
 
@@ -175,10 +182,8 @@ class RMSNorm(torch.nn.RMSNorm):
         )
 
     def forward(self, x):
-        if self.zero_centered_gamma or self.rounding != "scale_then_cast":
-            delegate_ok = False  # torch has neither convention: leanstep must run
-        else:
-            delegate_ok = True
+        # torch has neither convention: with them, leanstep must run.
+        delegate_ok = not self.zero_centered_gamma and self.rounding == "scale_then_cast"
         unsupported = self._unsupported(x)
         if unsupported is not None:
             if not delegate_ok:
@@ -190,6 +195,8 @@ class RMSNorm(torch.nn.RMSNorm):
         decision = _leanstep.rmsnorm_decide(**context)
         general_features = dict(context, weight_requires_grad=False)
         feature_declined = _leanstep.rmsnorm_decide(**general_features)["path"] != "frozen_fused"
+        if self.frozen_only and context["weight_requires_grad"]:
+            feature_declined = True
         if feature_declined and delegate_ok:
             # A feature leanstep does not model (autocast, hooks, compile,
             # offload, subclass): the original torch path runs.

@@ -1,0 +1,417 @@
+"""leanstep.megatron against the REAL megatron-core in the environment: which
+aliases get patched, idempotence, exact restore, refusal of a mismatched
+signature, and result parity with Megatron-Core's own functions on CPU."""
+
+import math
+import os
+import socket
+import types
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import leanstep
+from helpers import assert_within_ulps, randn, to_f64
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+mcore = pytest.importorskip("megatron.core")
+
+import leanstep.megatron as lm  # noqa: E402
+import megatron.core.optimizer.clip_grads as clip_grads  # noqa: E402
+import megatron.core.optimizer.layer_wise_optimizer as layer_wise_optimizer  # noqa: E402
+import megatron.core.optimizer.optimizer as optimizer  # noqa: E402
+import megatron.core.transformer.moe.moe_utils as moe_utils  # noqa: E402
+import megatron.core.transformer.moe.token_dispatcher as token_dispatcher  # noqa: E402
+import megatron.core.transformer.torch_norm as torch_norm  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+GRAD_FUNCS = ["get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32"]
+MOE_FUNCS = ["permute", "unpermute", "sort_chunks_by_idxs", "pad_routing_map"]
+# Where megatron-core 0.16 imported each function by name.
+EXPECTED_ALIASES = {
+    "get_grad_norm_fp32": [clip_grads, optimizer, layer_wise_optimizer],
+    "clip_grad_by_total_norm_fp32": [clip_grads, optimizer],
+    "count_zeros_fp32": [clip_grads, optimizer, layer_wise_optimizer],
+    "permute": [moe_utils, token_dispatcher],
+    "unpermute": [moe_utils, token_dispatcher],
+    "sort_chunks_by_idxs": [moe_utils, token_dispatcher],
+    "pad_routing_map": [moe_utils, token_dispatcher],
+}
+ORIGINALS = {name: getattr(mods[0], name) for name, mods in EXPECTED_ALIASES.items()}
+ORIGINAL_NORM_NEW = torch_norm.WrappedTorchNorm.__dict__["__new__"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    """A one-rank gloo group on localhost, as the collectives need one."""
+    if torch.distributed.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture
+def patched():
+    lm.uninstall()
+    lm.reset_call_counts()
+    lm.install()
+    yield
+    lm.uninstall()
+
+
+def assert_all_original():
+    for name, mods in EXPECTED_ALIASES.items():
+        for mod in mods:
+            assert getattr(mod, name) is ORIGINALS[name], f"{mod.__name__}.{name} not restored"
+    assert torch_norm.WrappedTorchNorm.__dict__["__new__"] is ORIGINAL_NORM_NEW
+
+
+# ---------------------------------------------------------------- running Megatron's originals on CPU
+
+
+class _CpuTorch(types.ModuleType):
+    """torch, except that tensors the code asks for on 'cuda' are made on the
+    CPU: Megatron-Core's gradient helpers hard-code device='cuda'."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _cpu(kwargs):
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return kwargs
+
+    def zeros(self, *args, **kwargs):
+        return torch.zeros(*args, **self._cpu(kwargs))
+
+    def tensor(self, *args, **kwargs):
+        return torch.tensor(*args, **self._cpu(kwargs))
+
+
+class _CudaTyped(torch.Tensor):
+    """A CPU fp32 tensor that reports the legacy CUDA type name the original
+    clip function asserts on; every op still runs on the CPU storage."""
+
+    def type(self, *args, **kwargs):
+        if not args and not kwargs:
+            return "torch.cuda.FloatTensor"
+        return super().type(*args, **kwargs)
+
+
+@pytest.fixture
+def megatron_on_cpu(monkeypatch):
+    import megatron.core.utils as mutils
+
+    shim = _CpuTorch()
+    monkeypatch.setattr(clip_grads, "torch", shim)
+    monkeypatch.setattr(mutils, "torch", shim)
+
+
+class Param:
+    def __init__(self, grad, **attrs):
+        self.grad = grad
+        for k, v in attrs.items():
+            setattr(self, k, v)
+
+
+def make_buffer_grads(gen, dtype=torch.float32, scale=1.0, with_empty=True):
+    params = [("a", (33, 17), "bfloat16"), ("b", (17,), "bfloat16"), ("c", (64, 33), "bfloat16"),
+              ("d", (0,), "bfloat16"), ("e", (5, 7, 3), "bfloat16")]
+    if not with_empty:
+        params.pop(3)
+    buffers, grads, _ = leanstep.ddp_grad_buffers(params, grad_dtype=str(dtype).removeprefix("torch."))
+    for g in grads:
+        g.copy_(randn(g.shape, dtype, gen, scale=scale))
+    return buffers, grads
+
+
+# ---------------------------------------------------------------- install / report / uninstall
+
+
+def test_install_patches_every_expected_alias(patched):
+    r = lm.report()
+    assert r["megatron_core_version"] == mcore.__version__
+    assert r["skipped"] == {}
+    for name, mods in EXPECTED_ALIASES.items():
+        for mod in mods:
+            current = getattr(mod, name)
+            assert current is not ORIGINALS[name]
+            assert current.__leanstep_original__ is ORIGINALS[name]
+            assert f"{mod.__name__}.{name}" in r["installed"][name]
+        # One replacement object everywhere.
+        assert len({id(getattr(mod, name)) for mod in mods}) == 1
+    new = torch_norm.WrappedTorchNorm.__dict__["__new__"]
+    assert new is not ORIGINAL_NORM_NEW and new.__func__.__leanstep_original__ is ORIGINAL_NORM_NEW.__func__
+    assert "installed get_grad_norm_fp32" in lm.format_report()
+
+
+def test_second_install_changes_nothing(patched):
+    before = {(m.__name__, n): getattr(m, n) for n, mods in EXPECTED_ALIASES.items() for m in mods}
+    norm_new = torch_norm.WrappedTorchNorm.__dict__["__new__"]
+    report = lm.report()
+    lm.install()
+    after = {(m.__name__, n): getattr(m, n) for n, mods in EXPECTED_ALIASES.items() for m in mods}
+    assert all(after[k] is v for k, v in before.items())
+    assert torch_norm.WrappedTorchNorm.__dict__["__new__"] is norm_new
+    assert lm.report()["installed"] == report["installed"]
+
+
+def test_uninstall_restores_the_originals_exactly():
+    lm.install()
+    lm.install()
+    lm.uninstall()
+    assert_all_original()
+    assert lm.installed() == []
+    lm.uninstall()  # twice is harmless
+    assert_all_original()
+
+
+def test_mismatched_signature_is_refused_with_its_reason(monkeypatch):
+    def count_zeros_fp32(parameters, group):  # a different signature
+        return 0.0
+
+    monkeypatch.setattr(clip_grads, "count_zeros_fp32", count_zeros_fp32)
+    try:
+        r = lm.install()
+        reason = r["skipped"]["count_zeros_fp32"]
+        assert "signature mismatch" in reason and "tp_group" in reason and "group" in reason
+        assert "count_zeros_fp32" not in r["installed"]
+        # Never half-patched: neither the home module nor any alias changed.
+        assert clip_grads.count_zeros_fp32 is count_zeros_fp32
+        assert optimizer.count_zeros_fp32 is ORIGINALS["count_zeros_fp32"]
+        assert layer_wise_optimizer.count_zeros_fp32 is ORIGINALS["count_zeros_fp32"]
+        # The other patches went in.
+        assert "get_grad_norm_fp32" in r["installed"]
+        assert "skipped   count_zeros_fp32: signature mismatch" in lm.format_report()
+    finally:
+        lm.uninstall()
+    assert optimizer.get_grad_norm_fp32 is ORIGINALS["get_grad_norm_fp32"]
+
+
+def test_a_module_imported_later_is_patched_by_the_next_install(patched):
+    late = types.ModuleType("late_user_module")
+    late.get_grad_norm_fp32 = ORIGINALS["get_grad_norm_fp32"]
+    import sys
+
+    sys.modules["late_user_module"] = late
+    try:
+        lm.install()
+        assert late.get_grad_norm_fp32.__leanstep_original__ is ORIGINALS["get_grad_norm_fp32"]
+        lm.uninstall()
+        assert late.get_grad_norm_fp32 is ORIGINALS["get_grad_norm_fp32"]
+    finally:
+        del sys.modules["late_user_module"]
+
+
+# ---------------------------------------------------------------- parity: gradient functions
+
+
+@pytest.mark.parametrize("norm_type", [2, math.inf, 1.0])
+def test_grad_norm_matches_megatron(norm_type, patched, megatron_on_cpu, torch_gen):
+    # Megatron's inf-norm raises on an empty grad (tensor.max() of nothing).
+    _, grads = make_buffer_grads(torch_gen, with_empty=norm_type != math.inf)
+    theirs = ORIGINALS["get_grad_norm_fp32"](grads, norm_type=norm_type)
+    ours = optimizer.get_grad_norm_fp32(grads, norm_type=norm_type)
+    assert type(ours) is type(theirs) is float  # 0.16 returns a Python float
+    # Megatron rounds each tensor's norm to fp32 and combines those in fp32;
+    # leanstep sums in double. Both are within a few fp32 ulps of the exact norm.
+    exact = {2: np.linalg.norm, 1.0: lambda v: np.abs(v).sum(), math.inf: lambda v: np.abs(v).max()}
+    vals = np.concatenate([to_f64(g).ravel() for g in grads])
+    e = exact[norm_type](vals)
+    assert abs(ours - e) <= 8 * 2**-24 * e
+    assert abs(theirs - e) <= 64 * 2**-24 * e
+    assert lm.report()["calls"]["get_grad_norm_fp32"]["leanstep"] == 1
+
+
+def test_grad_norm_of_a_single_tensor_and_empty_list(patched, megatron_on_cpu, torch_gen):
+    g = torch.randn(1000, generator=torch_gen)
+    assert clip_grads.get_grad_norm_fp32(g) == pytest.approx(
+        ORIGINALS["get_grad_norm_fp32"](g), rel=1e-6)
+    assert clip_grads.get_grad_norm_fp32([]) == ORIGINALS["get_grad_norm_fp32"]([]) == 0.0
+
+
+def test_inf_norm_with_an_empty_grad_works(patched, megatron_on_cpu, torch_gen):
+    _, grads = make_buffer_grads(torch_gen)
+    with pytest.raises(RuntimeError):
+        ORIGINALS["get_grad_norm_fp32"](grads, norm_type=math.inf)
+    expected = max(float(g.abs().max()) for g in grads if g.numel())
+    assert optimizer.get_grad_norm_fp32(grads, norm_type=math.inf) == expected
+
+
+def test_grad_norm_nan_is_not_lost(patched, torch_gen):
+    _, grads = make_buffer_grads(torch_gen)
+    grads[2].view(-1)[7] = math.nan
+    assert math.isnan(optimizer.get_grad_norm_fp32(grads))
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e9])
+def test_clip_matches_megatron_bitwise(max_norm, patched, megatron_on_cpu, torch_gen):
+    _, grads_a = make_buffer_grads(torch_gen)
+    buffers_b, grads_b = make_buffer_grads(torch_gen)
+    for a, b in zip(grads_a, grads_b):
+        b.copy_(a)
+    theirs = [Param(g.as_subclass(_CudaTyped)) for g in grads_a]
+    ours = [Param(g) for g in grads_b]
+    total = ORIGINALS["get_grad_norm_fp32"](grads_a)
+    ORIGINALS["clip_grad_by_total_norm_fp32"](theirs, max_norm, total)
+    optimizer.clip_grad_by_total_norm_fp32(ours, max_norm, total)
+    for a, b in zip(grads_a, grads_b):
+        assert torch.equal(a, b)  # same fp32 coefficient, one fp32 multiply each
+    if max_norm < total:
+        assert abs(optimizer.get_grad_norm_fp32(grads_b) - max_norm) < 1e-5 * max_norm
+    assert lm.report()["calls"]["clip_grad_by_total_norm_fp32"]["leanstep"] == 1
+
+
+def test_clip_with_a_tensor_norm_uses_the_device_coefficient(patched, torch_gen):
+    _, grads = make_buffer_grads(torch_gen)
+    before = [g.clone() for g in grads]
+    total = torch.tensor(optimizer.get_grad_norm_fp32(grads), dtype=torch.float32)
+    optimizer.clip_grad_by_total_norm_fp32([Param(g) for g in grads], 0.25, total)
+    coeff = torch.tensor(0.25, dtype=torch.float32) / (total + torch.tensor(1e-6, dtype=torch.float32))
+    for g, b in zip(grads, before):
+        assert torch.equal(g, b * coeff)
+
+
+def test_count_zeros_matches_megatron(patched, megatron_on_cpu, torch_gen):
+    _, grads = make_buffer_grads(torch_gen)
+    grads[0].view(-1)[::5] = 0
+    grads[4].view(-1)[:9] = 0
+    world = torch.distributed.group.WORLD
+    params = [Param(g) for g in grads]
+    params[2].shared = True  # filtered out by Megatron's param_is_not_shared
+    params.append(Param(None))
+    theirs = ORIGINALS["count_zeros_fp32"](params, world, tp_group=world)
+    ours = optimizer.count_zeros_fp32(params, grad_stats_parallel_group=world, tp_group=world)
+    assert type(ours) is type(theirs) is float
+    assert ours == theirs == sum(g.numel() - int(g.count_nonzero()) for i, g in enumerate(grads) if i != 2)
+
+
+def test_non_cpu_or_subclass_grads_are_delegated(patched, megatron_on_cpu, torch_gen):
+    _, grads = make_buffer_grads(torch_gen)
+    wrapped = [g.as_subclass(_CudaTyped) for g in grads]
+    expected = ORIGINALS["get_grad_norm_fp32"](grads)
+    assert optimizer.get_grad_norm_fp32(wrapped) == expected  # the original ran
+    assert lm.report()["calls"]["get_grad_norm_fp32"]["delegated"] == {"tensor_subclass": 1}
+
+
+# ---------------------------------------------------------------- parity: MoE functions
+
+
+def routing(T, E, k, gen):
+    logits = torch.randn(T, E, generator=gen)
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, logits.topk(k, 1).indices, True)
+    return routing_map, torch.softmax(logits, 1) * routing_map
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("drop_and_pad", [False, True])
+def test_permute_unpermute_match_megatron(dtype, drop_and_pad, patched, torch_gen):
+    T, E, k, H = 48, 8, 2, 32
+    routing_map, probs = routing(T, E, k, torch_gen)
+    num_out = E * 10 if drop_and_pad else None
+    tokens = randn((T, H), dtype, torch_gen)
+    t_ours, p_ours = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
+    t_theirs, p_theirs = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
+
+    ours = token_dispatcher.permute(t_ours, routing_map, p_ours, num_out, drop_and_pad=drop_and_pad)
+    theirs = ORIGINALS["permute"](t_theirs, routing_map, p_theirs, num_out, drop_and_pad=drop_and_pad)
+    for a, b in zip(ours, theirs):
+        assert a.dtype == b.dtype and torch.equal(a, b)  # a gather: bit-exact
+
+    out_ours = token_dispatcher.unpermute(ours[0], ours[2], tokens.shape, probs=p_ours,
+                                          routing_map=routing_map, drop_and_pad=drop_and_pad)
+    out_theirs = ORIGINALS["unpermute"](theirs[0], theirs[2], tokens.shape, probs=p_theirs,
+                                        routing_map=routing_map, drop_and_pad=drop_and_pad)
+    assert out_ours.dtype == out_theirs.dtype == dtype
+    # Both multiply in fp32 (Megatron promotes to the fp32 probs) and sum <= k
+    # terms in fp32, then round once: equal up to summation order, 1 ulp.
+    assert_within_ulps(out_ours, to_f64(out_theirs), dtype, ulps=1, atol=1e-6)
+
+    dy = randn((T, H), dtype, torch_gen)
+    (out_ours.float() * dy.float()).sum().backward()
+    (out_theirs.float() * dy.float()).sum().backward()
+    assert_within_ulps(t_ours.grad, to_f64(t_theirs.grad), dtype, ulps=1, atol=1e-6)
+    scale = np.abs(to_f64(p_theirs.grad)).max()
+    assert_within_ulps(p_ours.grad, to_f64(p_theirs.grad), torch.float32, ulps=2,
+                       atol=H * 2**-24 * max(scale, 1.0) * 4)
+    calls = lm.report()["calls"]
+    assert calls["permute"]["leanstep"] == 1 and calls["unpermute"]["leanstep"] == 1
+
+
+def test_fused_requests_are_delegated(patched, torch_gen):
+    routing_map, probs = routing(8, 4, 2, torch_gen)
+    with pytest.raises(ValueError, match="fused_permute is not available"):
+        token_dispatcher.permute(torch.randn(8, 4), routing_map, fused=True)  # the original's error
+    assert lm.report()["calls"]["permute"]["delegated"] == {"fused": 1}
+
+
+def test_sort_chunks_matches_megatron(patched, torch_gen):
+    rows = torch.randn(30, 6, generator=torch_gen, requires_grad=True)
+    probs = torch.rand(30, generator=torch_gen)
+    split_sizes = torch.tensor([5, 0, 11, 14])
+    order = torch.tensor([3, 1, 0, 2])
+    out, out_probs = token_dispatcher.sort_chunks_by_idxs(rows, split_sizes, order, probs=probs)
+    ref_rows = rows.detach().clone().requires_grad_()
+    ref, ref_probs = ORIGINALS["sort_chunks_by_idxs"](ref_rows, split_sizes, order, probs=probs)
+    assert torch.equal(out, ref) and torch.equal(out_probs, ref_probs)
+    w = torch.randn(30, 6, generator=torch_gen)
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    assert torch.equal(rows.grad, ref_rows.grad)
+
+
+def test_pad_routing_map_matches_megatron_including_mutation(patched, torch_gen):
+    routing_map, _ = routing(40, 6, 2, torch_gen)
+    a, b = routing_map.clone(), routing_map.clone()
+    ours = token_dispatcher.pad_routing_map(a, 8)
+    theirs = ORIGINALS["pad_routing_map"](b, 8)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(a, b)  # the installed version mutates its argument: so do we
+
+
+# ---------------------------------------------------------------- RMSNorm construction
+
+
+def test_wrapped_torch_norm_builds_a_leanstep_rmsnorm(patched, torch_gen):
+    import leanstep.torch as lt
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                               normalization="RMSNorm")
+    norm = torch_norm.WrappedTorchNorm(config=config, hidden_size=64, eps=1e-5)
+    assert isinstance(norm, lt.RMSNorm) and isinstance(norm, torch.nn.RMSNorm)
+    assert norm.eps == 1e-5 and list(norm.state_dict()) == ["weight"]
+    with torch.no_grad():
+        norm.weight.copy_(randn((64,), torch.float32, torch_gen, scale=0.1) + 1)
+    ref = torch.nn.RMSNorm(64, eps=1e-5)
+    ref.load_state_dict(norm.state_dict())
+    x = randn((5, 64), torch.float32, torch_gen)
+
+    # Trainable weight (frozen_only): torch's own forward, bit-identical.
+    y = norm(x)
+    assert norm.last_decision["path"] == "torch" and torch.equal(y, ref(x))
+    # Frozen (LoRA): leanstep's frozen path.
+    norm.weight.requires_grad_(False)
+    y = norm(x)
+    assert norm.last_decision["path"] == "frozen_fused"
+    assert_within_ulps(y, to_f64(ref(x)), torch.float32, ulps=64)
+
+    layer_norm_config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+    ln = torch_norm.WrappedTorchNorm(config=layer_norm_config, hidden_size=64)
+    assert type(ln) is torch.nn.LayerNorm
+    calls = lm.report()["calls"]["WrappedTorchNorm"]
+    assert calls["leanstep"] == 1 and calls["delegated"] == {"not_rmsnorm": 1}
+    lm.uninstall()
+    assert type(torch_norm.WrappedTorchNorm(config=config, hidden_size=64)) is torch.nn.RMSNorm
