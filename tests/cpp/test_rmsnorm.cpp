@@ -2,10 +2,11 @@
 // error bounds derived in rmsnorm_util.h) and against the anchors' tolerances;
 // fused against reference; rounding orders, zero-centered gamma, tiny and huge
 // variance rows, odd and multi-dimensional shapes, in-place use, empty inputs.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
@@ -62,17 +63,10 @@ struct Case {
   Shape shape;
   DType x_dtype, gamma_dtype, y_dtype;
   Options options;
-  std::string eps_string() const {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%g", options.eps);
-    return buf;
-  }
   std::string name() const {
-    std::string s = "[";
-    for (size_t i = 0; i < shape.dims.size(); ++i) s += (i ? "," : "") + std::to_string(shape.dims[i]);
-    return s + "] x=" + dtype_name(x_dtype) + " gamma=" + dtype_name(gamma_dtype) + " y=" + dtype_name(y_dtype) +
-           " eps=" + eps_string() + (options.zero_centered_gamma ? " zero_centered" : "") + " " +
-           rn::rounding_name(options.rounding);
+    return fmt::format("[{}] x={} gamma={} y={} eps={:g}{} {}", fmt::join(shape.dims, ","), dtype_name(x_dtype),
+                       dtype_name(gamma_dtype), dtype_name(y_dtype), options.eps,
+                       options.zero_centered_gamma ? " zero_centered" : "", rn::rounding_name(options.rounding));
   }
 };
 
