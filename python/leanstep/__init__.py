@@ -12,8 +12,8 @@ Submodules: ``leanstep.torch`` (autograd-aware modules and functions) and
 """
 
 from . import _leanstep
-from ._leanstep import Error, counters, data_ptr, describe, num_threads, read_scalar
-from ._leanstep import reset_counters, set_num_threads
+from ._leanstep import Error, counters, data_ptr, describe, measure_bandwidth, num_threads
+from ._leanstep import read_scalar, reset_counters, set_num_threads
 
 Error.__module__ = "leanstep"
 __version__ = _leanstep.__version__
@@ -27,6 +27,7 @@ __all__ = [
     "counters",
     "data_ptr",
     "describe",
+    "measure_bandwidth",
     "num_threads",
     "read_scalar",
     "reset_counters",
@@ -48,3 +49,8 @@ if "moe" in areas:
     from ._moe import __all__ as _moe_all
 
     __all__ += _moe_all
+if "lora" in areas:
+    from ._lora import *  # noqa: F401,F403
+    from ._lora import __all__ as _lora_all
+
+    __all__ += _lora_all

@@ -10,6 +10,8 @@
 
 #include <leanstep/core.h>
 
+#include "core/bench.h"
+
 #include "arrays.h"
 #include "bindings.h"
 
@@ -50,6 +52,32 @@ NB_MODULE(_leanstep, m) {
   m.def(
       "read_scalar", [](InArray a) { return read_scalar(to_tensor(a, "scalar")); },
       nb::arg("scalar"), "Reads a 1-element backend scalar on the host (counted as a host read).");
+
+  // The machine's bandwidth for an access pattern ("read", "inplace", "copy"),
+  // all threads, as the C++ benchmarks measure their floor.
+  m.def(
+      "measure_bandwidth",
+      [](const std::string& access, size_t buffer_bytes) {
+        bench::Access a;
+        if (access == "read") a = bench::Access::kRead;
+        else if (access == "inplace") a = bench::Access::kInPlace;
+        else if (access == "copy") a = bench::Access::kCopy;
+        else throw_arg_error("measure_bandwidth", "access",
+                             "must be 'read', 'inplace' or 'copy' (got '" + access + "')");
+        bench::Bandwidth bw;
+        {
+          nb::gil_scoped_release release;
+          bw = bench::measure_bandwidth(a, buffer_bytes);
+        }
+        nb::dict d;
+        d["access"] = access;
+        d["gbps"] = bw.gbps();
+        d["median_ms"] = bw.timing.median_ms;
+        d["bytes_moved"] = bw.bytes_moved;
+        d["buffer_bytes"] = bw.buffer_bytes;
+        return d;
+      },
+      nb::arg("access"), nb::arg("buffer_bytes") = size_t{256} << 20);
 
   nb::list areas;
 #ifdef LEANSTEP_BIND_COMM
