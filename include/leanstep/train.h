@@ -158,9 +158,4 @@ class Trainer {
   std::unique_ptr<Impl> impl_;
 };
 
-// Mean token cross-entropy of the model with the given (flat, layout-ordered)
-// adapter parameters on one microbatch of `tokens` [batch, seq_len + 1]: for tests.
-double evaluate_loss(const Config& config, const float* flat_params, const int32_t* tokens,
-                     int64_t batch);
-
 }  // namespace leanstep::train

@@ -30,6 +30,12 @@ double Rng::normal() {
   return radius * std::cos(angle);
 }
 
+uint64_t fnv1a(const void* data, size_t bytes, uint64_t hash) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) hash = (hash ^ p[i]) * 0x100000001B3ull;
+  return hash;
+}
+
 uint64_t mix_seed(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) {
   Rng r(seed ^ 0x243F6A8885A308D3ull);
   uint64_t h = r.next_u64();
@@ -82,8 +88,8 @@ BaseWeights<T> make_base_weights(const ModelConfig& m, uint64_t seed) {
   return w;
 }
 
-AdapterSlots make_slots(const ModelConfig& m, const LoraConfig& lora, const std::vector<int64_t>& offsets) {
-  const auto tensors = adapter_tensors(m, lora);
+AdapterSlots make_slots(const ModelConfig& m, const std::vector<TensorInfo>& tensors,
+                        const std::vector<int64_t>& offsets) {
   if (offsets.size() != tensors.size())
     throw_arg_error("train", "offsets", fmt::format("must have one entry per adapter tensor ({} != {})",
                                                     offsets.size(), tensors.size()));
@@ -93,6 +99,8 @@ AdapterSlots make_slots(const ModelConfig& m, const LoraConfig& lora, const std:
     const std::string& name = tensors[i].name;
     // decoder.layers.<l>.<module path>.lora_<A|B>.weight[<expert>]
     const size_t p = std::string("decoder.layers.").size();
+    if (name.rfind("decoder.layers.", 0) != 0)
+      throw_arg_error("train", "adapter tensors", fmt::format("'{}' is not a decoder layer tensor", name));
     const size_t dot = name.find('.', p);
     const int64_t l = std::stoll(name.substr(p, dot - p));
     auto& L = s.layers[static_cast<size_t>(l)];
@@ -105,19 +113,25 @@ AdapterSlots make_slots(const ModelConfig& m, const LoraConfig& lora, const std:
     } else {
       const bool fc1 = name.find("linear_fc1") != std::string::npos;
       auto& vec = fc1 ? (is_a ? L.fc1_a : L.fc1_b) : (is_a ? L.fc2_a : L.fc2_b);
-      vec.push_back(off);  // experts are registered in order 0..E-1
+      // ".weight<expert>": any registration order of the experts is fine.
+      const size_t w = name.rfind(".weight");
+      const std::string idx = name.substr(w + 7);
+      const int64_t ex = idx.empty() ? -1 : std::stoll(idx);
+      if (ex < 0 || ex >= m.num_experts)
+        throw_arg_error("train", "adapter tensors", fmt::format("expert tensor '{}' has no valid expert index", name));
+      if (vec.empty()) vec.assign(static_cast<size_t>(m.num_experts), -1);
+      vec[static_cast<size_t>(ex)] = off;
     }
   }
   return s;
 }
 
-void init_adapters(const ModelConfig& m, const LoraConfig& lora, const std::vector<int64_t>& offsets,
-                   uint64_t seed, float* flat, double b_std) {
-  const auto tensors = adapter_tensors(m, lora);
+void init_adapters(const std::vector<TensorInfo>& tensors, const std::vector<int64_t>& offsets, uint64_t seed,
+                   float* flat, double b_std) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     float* p = flat + offsets[i];
-    Rng rng(mix_seed(seed, 7777, i));
+    Rng rng(mix_seed(seed, 7777, fnv1a(t.name.data(), t.name.size())));
     const bool is_a = t.name.find(".lora_A.weight") != std::string::npos;
     const int64_t n = t.numel();
     if (is_a) {
@@ -174,6 +188,12 @@ Kernels<T> reference_kernels() {
       T* o = out + sorted[i] * h;
       for (int64_t j = 0; j < h; ++j) o[j] += permuted[i * h + j] * w;
     }
+  };
+  k.permute_backward = [](const T* dpermuted, const int64_t* sorted, int64_t nout, int64_t h, int64_t ntok,
+                          T* dtokens) {
+    std::fill(dtokens, dtokens + ntok * h, T(0));
+    for (int64_t i = 0; i < nout; ++i)
+      for (int64_t j = 0; j < h; ++j) dtokens[sorted[i] * h + j] += dpermuted[i * h + j];
   };
   k.unpermute_backward = [](const T* dout, const T* permuted, const int64_t* sorted, const T* probs,
                             int64_t nout, int64_t h, T* dpermuted, T* dprobs) {
@@ -526,7 +546,7 @@ void Model<T>::layer_backward(int64_t l, LayerCache& c, T* dx) {
   }
   // Backward of permute: sum each token's slots (unpermute without probs).
   std::vector<T> dh2(static_cast<size_t>(n * h));
-  kernels_.unpermute(dperm.data(), c.sorted.data(), nullptr, nout, h, n, dh2.data());
+  kernels_.permute_backward(dperm.data(), c.sorted.data(), nout, h, n, dh2.data());
   // Router: scatter the slot gradients to [n, e], then through softmax (/ top-k renormalisation).
   std::vector<T> dlogits(static_cast<size_t>(n * e), T(0));
   {

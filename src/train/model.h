@@ -45,6 +45,9 @@ class Rng {
   double spare_ = 0.0;
 };
 
+// 64-bit FNV-1a (continue a hash by passing the previous value).
+uint64_t fnv1a(const void* data, size_t bytes, uint64_t hash = 0xCBF29CE484222325ull);
+
 // Seed of an independent stream for (seed, a, b, c).
 uint64_t mix_seed(uint64_t seed, uint64_t a, uint64_t b = 0, uint64_t c = 0);
 
@@ -83,14 +86,15 @@ struct AdapterSlots {
   };
   std::vector<Layer> layers;
 };
-// `offsets[i]` is the offset of adapter_tensors(model, lora)[i].
-AdapterSlots make_slots(const ModelConfig& model, const LoraConfig& lora,
+// `offsets[i]` is the offset of tensors[i] (names as adapter_tensors(), any order).
+AdapterSlots make_slots(const ModelConfig& model, const std::vector<TensorInfo>& tensors,
                         const std::vector<int64_t>& offsets);
 
 // LoRA init as PEFT: A ~ U(-1/sqrt(in), 1/sqrt(in)), B = 0; `b_std` > 0 draws B
 // from N(0, b_std) instead (gradient checks need non-zero B).
-void init_adapters(const ModelConfig& model, const LoraConfig& lora, const std::vector<int64_t>& offsets,
-                   uint64_t seed, float* flat, double b_std = 0.0);
+// Each tensor's stream depends on its name only (not on the layout or order).
+void init_adapters(const std::vector<TensorInfo>& tensors, const std::vector<int64_t>& offsets, uint64_t seed,
+                   float* flat, double b_std = 0.0);
 
 // ---------------------------------------------------------------- kernels
 
@@ -111,6 +115,10 @@ struct Kernels {
   std::function<void(const T* permuted, const int64_t* sorted, const T* probs, int64_t nout, int64_t h,
                      int64_t ntok, T* out)>
       unpermute;
+  // Backward of permute w.r.t. tokens: dtokens[t] = sum of dpermuted rows of t's slots.
+  std::function<void(const T* dpermuted, const int64_t* sorted, int64_t nout, int64_t h, int64_t ntok,
+                     T* dtokens)>
+      permute_backward;
   // Backward of unpermute with probs: dpermuted[i] = dout[sorted[i]] * probs[i],
   // dprobs[i] = dot(dout[sorted[i]], permuted[i]).
   std::function<void(const T* dout, const T* permuted, const int64_t* sorted, const T* probs, int64_t nout,

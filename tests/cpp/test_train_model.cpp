@@ -55,7 +55,7 @@ struct MicroModel {
     offsets = packed_offsets(tensors, &total);
     params32.assign(static_cast<size_t>(total), 0.0f);
     // Non-zero B so every adapter tensor gets a non-zero gradient.
-    detail::init_adapters(cfg.model, cfg.lora, offsets, seed, params32.data(), 0.3);
+    detail::init_adapters(tensors, offsets, seed, params32.data(), 0.3);
     base64 = detail::make_base_weights<double>(cfg.model, seed);
     base32 = detail::make_base_weights<float>(cfg.model, seed);
   }
@@ -94,7 +94,7 @@ TEST(TrainModel, GradientCheckFloat64) {
     MicroModel mm(cfg, seed);
     std::vector<double> p(mm.params32.begin(), mm.params32.end());
     std::vector<double> g(p.size(), 0.0);
-    detail::Model<double> model(cfg.model, cfg.lora, &mm.base64, detail::make_slots(cfg.model, cfg.lora, mm.offsets),
+    detail::Model<double> model(cfg.model, cfg.lora, &mm.base64, detail::make_slots(cfg.model, mm.tensors, mm.offsets),
                                 detail::reference_kernels<double>());
     std::mt19937_64 rng(seed);
     const int64_t batch = cfg.train.micro_batch_size, seq = cfg.train.seq_len;
@@ -137,7 +137,7 @@ TEST(TrainModel, GradientsAccumulateAndScale) {
   Config cfg = micro_config();
   MicroModel mm(cfg, seed);
   std::vector<double> p(mm.params32.begin(), mm.params32.end());
-  detail::Model<double> model(cfg.model, cfg.lora, &mm.base64, detail::make_slots(cfg.model, cfg.lora, mm.offsets),
+  detail::Model<double> model(cfg.model, cfg.lora, &mm.base64, detail::make_slots(cfg.model, mm.tensors, mm.offsets),
                               detail::reference_kernels<double>());
   std::mt19937_64 rng(seed);
   const auto tokens = random_tokens(rng, 2, 6, cfg.model.vocab_size);
@@ -158,7 +158,7 @@ TEST(TrainModel, Float32MatchesFloat64) {
   MicroModel mm(cfg, seed);
   std::vector<double> p64(mm.params32.begin(), mm.params32.end()), g64(p64.size(), 0.0);
   std::vector<float> g32(p64.size(), 0.0f);
-  const auto slots = detail::make_slots(cfg.model, cfg.lora, mm.offsets);
+  const auto slots = detail::make_slots(cfg.model, mm.tensors, mm.offsets);
   detail::Model<double> m64(cfg.model, cfg.lora, &mm.base64, slots, detail::reference_kernels<double>());
   detail::Model<float> m32(cfg.model, cfg.lora, &mm.base32, slots, detail::reference_kernels<float>());
   std::mt19937_64 rng(seed);
@@ -176,7 +176,7 @@ TEST(TrainModel, RejectsOutOfVocabularyTokens) {
   const uint64_t seed = test_seed();
   Config cfg = micro_config();
   MicroModel mm(cfg, seed);
-  detail::Model<float> m32(cfg.model, cfg.lora, &mm.base32, detail::make_slots(cfg.model, cfg.lora, mm.offsets),
+  detail::Model<float> m32(cfg.model, cfg.lora, &mm.base32, detail::make_slots(cfg.model, mm.tensors, mm.offsets),
                            detail::reference_kernels<float>());
   std::vector<int32_t> tokens(7, 1);
   tokens[3] = 256;
