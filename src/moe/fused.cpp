@@ -2,9 +2,9 @@
 //
 // permute: one parallel pass counts, per chunk of tokens, the routed pairs of
 // every expert; prefix sums over (expert, chunk) give each chunk its first
-// slot in every expert's segment, so a second parallel pass writes
-// sorted_indices in exactly the stable-sort order; a third gathers the rows
-// (parallel over output rows). The declared row count is checked after the
+// slot in every expert's segment, so a second parallel pass, over tokens again,
+// writes sorted_indices in exactly the stable-sort order and copies each token
+// row (read once) to its slots. The declared row count is checked after the
 // counting pass, before anything is written.
 //
 // unpermute: a counting sort of sorted_indices by token gives every token its
@@ -14,6 +14,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #include <vector>
 
 #include "core/parallel.h"
@@ -27,7 +30,43 @@ using leanstep::detail::parallel_chunks;
 namespace {
 
 constexpr int64_t kTokenChunk = 256;  // tokens per counting chunk
-constexpr int64_t kRowChunk = 16;     // output rows per gather/reduce chunk
+constexpr int64_t kRowChunk = 16;     // output rows per reduce chunk
+// Outputs at least this large are written with non-temporal stores: they do not fit in
+// the cache anyway, and streaming skips reading the destination lines first.
+constexpr int64_t kStreamBytes = int64_t{16} << 20;
+
+// Copies one row; `stream`: with non-temporal stores where the target supports them.
+inline void copy_row(char* dst, const char* src, size_t bytes, bool stream) {
+#if defined(__SSE2__)
+  if (stream) {
+    // Align the destination to 16 bytes, stream the middle, copy the tail.
+    const size_t head = std::min(bytes, static_cast<size_t>((16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16));
+    std::memcpy(dst, src, head);
+    size_t i = head;
+    for (; i + 64 <= bytes; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    std::memcpy(dst + i, src + i, bytes - i);
+    return;
+  }
+#endif
+  (void)stream;
+  std::memcpy(dst, src, bytes);
+}
+
+// Orders the streamed stores before the parallel region ends.
+inline void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
 
 }  // namespace
 
@@ -77,14 +116,16 @@ void permute_fused(const PermuteProblem& p) {
     }
   }
 
-  // Slot experts (for the probs gather) live beside the indices during the fill.
-  std::vector<int64_t> slot_expert(static_cast<size_t>(p.N), -1);
+  // One pass over the tokens: each token row is read once and written to each of its
+  // slots (token-major, so the k reads of a row hit the cache), with its index and prob.
   const int64_t limit = p.drop_and_pad ? p.capacity : p.N;  // slots an expert may use
+  const bool stream = p.N * static_cast<int64_t>(p.row_bytes) >= kStreamBytes;
   parallel_chunks(T, kTokenChunk, [&](int64_t c, int64_t begin, int64_t end) {
     std::vector<int64_t> next_routed(routed_base.begin() + c * E, routed_base.begin() + (c + 1) * E);
     std::vector<int64_t> next_unrouted(unrouted_base.begin() + c * E, unrouted_base.begin() + (c + 1) * E);
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* row = p.map + t * E;
+      const char* src = p.tokens + static_cast<size_t>(t) * p.row_bytes;
       for (int64_t e = 0; e < E; ++e) {
         int64_t rel;
         if (row[e]) rel = next_routed[static_cast<size_t>(e)]++;
@@ -93,30 +134,23 @@ void permute_fused(const PermuteProblem& p) {
         if (rel >= limit) continue;  // dropped beyond capacity (drop_and_pad only)
         const int64_t slot = segment_start[static_cast<size_t>(e)] + rel;
         p.indices.set(slot, t);
-        slot_expert[static_cast<size_t>(slot)] = e;
+        copy_row(p.permuted + static_cast<size_t>(slot) * p.row_bytes, src, p.row_bytes, stream);
+        if (p.permuted_probs)
+          std::memcpy(p.permuted_probs + static_cast<size_t>(slot) * p.prob_bytes,
+                      p.probs + static_cast<size_t>(t * E + e) * p.prob_bytes, p.prob_bytes);
       }
     }
+    if (stream) stream_fence();
   });
   // Plain path with more declared rows than routed pairs: the tail has no source.
-  if (!p.drop_and_pad)
+  if (!p.drop_and_pad && routed_total < p.N) {
+    const int64_t tail = p.N - routed_total;
     for (int64_t i = routed_total; i < p.N; ++i) p.indices.set(i, -1);
-
-  parallel_chunks(p.N, kRowChunk, [&](int64_t, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = p.indices.get(i);
-      char* dst = p.permuted + static_cast<size_t>(i) * p.row_bytes;
-      char* dst_prob = p.permuted_probs ? p.permuted_probs + static_cast<size_t>(i) * p.prob_bytes : nullptr;
-      if (t < 0) {
-        std::memset(dst, 0, p.row_bytes);
-        if (dst_prob) std::memset(dst_prob, 0, p.prob_bytes);
-        continue;
-      }
-      std::memcpy(dst, p.tokens + static_cast<size_t>(t) * p.row_bytes, p.row_bytes);
-      if (dst_prob)
-        std::memcpy(dst_prob, p.probs + static_cast<size_t>(t * E + slot_expert[static_cast<size_t>(i)]) * p.prob_bytes,
-                    p.prob_bytes);
-    }
-  });
+    std::memset(p.permuted + static_cast<size_t>(routed_total) * p.row_bytes, 0, static_cast<size_t>(tail) * p.row_bytes);
+    if (p.permuted_probs)
+      std::memset(p.permuted_probs + static_cast<size_t>(routed_total) * p.prob_bytes, 0,
+                  static_cast<size_t>(tail) * p.prob_bytes);
+  }
 }
 
 void unpermute_fused(const UnpermuteProblem& p) {
