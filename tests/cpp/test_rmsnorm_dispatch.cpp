@@ -76,8 +76,11 @@ TEST(RmsNormDelegation, EveryFeatureFlagSendsTheCallToTheGeneralPathAndIsCounted
     EXPECT_EQ(s.backward_calls[static_cast<int>(rn::Path::kGeneral)], 1u);
     EXPECT_EQ(s.calls(rn::Path::kFrozenFused), 0u);
     EXPECT_EQ(s.declined(f.reason), 2u);
-    for (int k = 0; k < rn::kNumReasons; ++k)
-      if (k != static_cast<int>(f.reason)) EXPECT_EQ(s.declines[k], 0u) << rn::reason_name(static_cast<rn::Reason>(k));
+    for (int k = 0; k < rn::kNumReasons; ++k) {
+      if (k != static_cast<int>(f.reason)) {
+        EXPECT_EQ(s.declines[k], 0u) << rn::reason_name(static_cast<rn::Reason>(k));
+      }
+    }
     EXPECT_NE(s.describe().find(rn::reason_name(f.reason)), std::string::npos) << s.describe();
     // Weight, eps and gamma convention are untouched: identical results.
     EXPECT_TRUE(bitwise_equal(y, y0));
