@@ -1,8 +1,9 @@
 // The fused RMSNorm kernels: Highway SIMD row kernels (dynamic dispatch to the
 // best target of the running CPU) driven by fixed row chunks in parallel.
 //
-// Each row is read from memory once: fp16/bf16 rows are widened into an fp32
-// scratch row (L1/L2 resident) and the second pass of a row runs from cache.
+// Each row is read from memory once and its second pass runs from cache. fp32
+// and bf16 rows are loaded and stored in their own dtype (widened/rounded in
+// registers); fp16 and mixed-dtype calls widen rows into fp32 scratch rows.
 // Statistics are accumulated in fp32 in 4 independent vector accumulators.
 // Row tails are run through the same vector code on a zero-padded copy, so every
 // element of a row sees exactly the same arithmetic.
@@ -26,27 +27,84 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 constexpr size_t kPad = HWY_MAX_BYTES / sizeof(float);  // room for one vector of any target
 
-// sum of x[i]^2
-float SumSquares(const float* HWY_RESTRICT x, int64_t n) {
+// ---- typed loads/stores: rows are read and written in their storage dtype
+// (fp32 or bf16) and widened in registers; all arithmetic is fp32.
+
+template <DType kT, class DF>
+HWY_INLINE hn::Vec<DF> LoadF32(DF df, const void* base, int64_t i) {
+  if constexpr (kT == DType::kFloat32) {
+    return hn::LoadU(df, static_cast<const float*>(base) + i);
+  } else {
+    static_assert(kT == DType::kBFloat16);
+    const hn::Rebind<uint16_t, DF> du16;
+    const hn::Rebind<uint32_t, DF> du32;
+    const auto w = hn::PromoteTo(du32, hn::LoadU(du16, static_cast<const uint16_t*>(base) + i));
+    return hn::BitCast(df, hn::ShiftLeft<16>(w));
+  }
+}
+
+// Round-to-nearest-even f32 -> bf16 bits, NaN quieted (hwy::DemoteTo truncates
+// in Highway 1.0.3; this matches leanstep::float_to_bf16).
+template <class DF>
+HWY_INLINE auto F32ToBF16Bits(DF df, hn::Vec<DF> v) {
+  const hn::RebindToUnsigned<DF> du;
+  const auto bits = hn::BitCast(du, v);
+  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
+  const auto rounded = hn::Add(bits, hn::Add(hn::Set(du, 0x7FFFu), lsb));
+  const auto quiet_nan = hn::Or(bits, hn::Set(du, 0x00400000u));
+  const auto is_nan = hn::Ne(v, v);
+  return hn::ShiftRight<16>(hn::IfThenElse(hn::RebindMask(du, is_nan), quiet_nan, rounded));
+}
+
+template <DType kT, class DF>
+HWY_INLINE void StoreF32(DF df, hn::Vec<DF> v, void* base, int64_t i) {
+  if constexpr (kT == DType::kFloat32) {
+    hn::StoreU(v, df, static_cast<float*>(base) + i);
+  } else {
+    const hn::Rebind<uint16_t, DF> du16;
+    const hn::RebindToSigned<DF> di32;
+    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, F32ToBF16Bits(df, v))), du16, static_cast<uint16_t*>(base) + i);
+  }
+}
+
+// Row tails: the last n < lanes elements go through the same vector code on a
+// zero-padded fp32 copy, so every element sees exactly the same arithmetic.
+template <DType kT>
+HWY_INLINE void TailToF32(const void* base, int64_t i, int64_t n, float* padded) {
+  for (int64_t k = 0; k < n; ++k)
+    padded[k] = kT == DType::kFloat32 ? static_cast<const float*>(base)[i + k]
+                                      : bf16_to_float(static_cast<const uint16_t*>(base)[i + k]);
+}
+template <DType kT>
+HWY_INLINE void TailFromF32(const float* padded, void* base, int64_t i, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    if constexpr (kT == DType::kFloat32) static_cast<float*>(base)[i + k] = padded[k];
+    else static_cast<uint16_t*>(base)[i + k] = float_to_bf16(padded[k]);
+  }
+}
+
+// sum of x[i]^2, in 4 independent accumulators
+template <DType kT>
+float SumSquaresT(const void* x, int64_t n) {
   const hn::ScalableTag<float> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
   int64_t i = 0;
   for (; i + 4 * N <= n; i += 4 * N) {
-    const auto v0 = hn::LoadU(d, x + i), v1 = hn::LoadU(d, x + i + N);
-    const auto v2 = hn::LoadU(d, x + i + 2 * N), v3 = hn::LoadU(d, x + i + 3 * N);
+    const auto v0 = LoadF32<kT>(d, x, i), v1 = LoadF32<kT>(d, x, i + N);
+    const auto v2 = LoadF32<kT>(d, x, i + 2 * N), v3 = LoadF32<kT>(d, x, i + 3 * N);
     a0 = hn::MulAdd(v0, v0, a0);
     a1 = hn::MulAdd(v1, v1, a1);
     a2 = hn::MulAdd(v2, v2, a2);
     a3 = hn::MulAdd(v3, v3, a3);
   }
   for (; i + N <= n; i += N) {
-    const auto v = hn::LoadU(d, x + i);
+    const auto v = LoadF32<kT>(d, x, i);
     a0 = hn::MulAdd(v, v, a0);
   }
   if (i < n) {
     HWY_ALIGN float tail[kPad] = {};
-    std::memcpy(tail, x + i, static_cast<size_t>(n - i) * sizeof(float));
+    TailToF32<kT>(x, i, n - i, tail);
     const auto v = hn::Load(d, tail);
     a1 = hn::MulAdd(v, v, a1);
   }
@@ -54,15 +112,105 @@ float SumSquares(const float* HWY_RESTRICT x, int64_t n) {
   return hn::GetLane(hn::SumOfLanes(d, total));
 }
 
-// out = (x * r) * g   (scale then cast: the caller casts out once)
-void ScaleRow(const float* x, float r, const float* HWY_RESTRICT g, float* out, int64_t n) {
+// y = cast((x * r) * g)   (scale then cast: one rounding to y's dtype)
+template <DType kT>
+void ScaleRowT(const void* x, float r, const float* HWY_RESTRICT g, void* y, int64_t n) {
   const hn::ScalableTag<float> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const auto vr = hn::Set(d, r);
   int64_t i = 0;
+  for (; i + N <= n; i += N) StoreF32<kT>(d, hn::Mul(hn::Mul(LoadF32<kT>(d, x, i), vr), hn::LoadU(d, g + i)), y, i);
+  if (i < n) {
+    HWY_ALIGN float tx[kPad] = {}, tg[kPad] = {}, ty[kPad];
+    TailToF32<kT>(x, i, n - i, tx);
+    std::memcpy(tg, g + i, static_cast<size_t>(n - i) * sizeof(float));
+    hn::Store(hn::Mul(hn::Mul(hn::Load(d, tx), vr), hn::Load(d, tg)), d, ty);
+    TailFromF32<kT>(ty, y, i, n - i);
+  }
+}
+
+// sum of (g*dy) * (x*r)
+template <DType kT>
+float GdyXhatDotT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const auto vr = hn::Set(d, r);
+  auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
+  auto term = [&](auto vg, auto vdy, auto vx) { return hn::Mul(hn::Mul(vg, vdy), hn::Mul(vx, vr)); };
+  auto at = [&](int64_t k) { return term(hn::LoadU(d, g + k), LoadF32<kT>(d, dy, k), LoadF32<kT>(d, x, k)); };
+  int64_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N) {
+    a0 = hn::Add(a0, at(i));
+    a1 = hn::Add(a1, at(i + N));
+    a2 = hn::Add(a2, at(i + 2 * N));
+    a3 = hn::Add(a3, at(i + 3 * N));
+  }
+  for (; i + N <= n; i += N) a0 = hn::Add(a0, at(i));
+  if (i < n) {
+    HWY_ALIGN float tg[kPad] = {}, tdy[kPad] = {}, tx[kPad] = {};
+    std::memcpy(tg, g + i, static_cast<size_t>(n - i) * sizeof(float));
+    TailToF32<kT>(dy, i, n - i, tdy);
+    TailToF32<kT>(x, i, n - i, tx);
+    a1 = hn::Add(a1, term(hn::Load(d, tg), hn::Load(d, tdy), hn::Load(d, tx)));
+  }
+  const auto total = hn::Add(hn::Add(a0, a1), hn::Add(a2, a3));
+  return hn::GetLane(hn::SumOfLanes(d, total));
+}
+
+// dx = r * (g*dy - xhat*m), xhat = x*r; with kAccumulate also partial += dy*xhat.
+// The frozen and trainable variants share this code, so their dx is bitwise equal.
+template <DType kT, bool kAccumulate>
+void DxRowT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r, float m, void* dx,
+            float* HWY_RESTRICT partial, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const auto vr = hn::Set(d, r);
+  const auto vm = hn::Set(d, m);
+  // Returns dx for one vector; updates the partial dgamma at pp.
+  auto step = [&](auto vg, auto vdy, auto vx, float* pp) {
+    const auto xhat = hn::Mul(vx, vr);
+    if constexpr (kAccumulate) hn::StoreU(hn::MulAdd(vdy, xhat, hn::LoadU(d, pp)), d, pp);
+    return hn::Mul(vr, hn::NegMulAdd(xhat, vm, hn::Mul(vg, vdy)));
+  };
+  int64_t i = 0;
   for (; i + N <= n; i += N)
-    hn::StoreU(hn::Mul(hn::Mul(hn::LoadU(d, x + i), vr), hn::LoadU(d, g + i)), d, out + i);
-  for (; i < n; ++i) out[i] = x[i] * r * g[i];  // same two fp32 roundings as the vector lanes
+    StoreF32<kT>(d, step(hn::LoadU(d, g + i), LoadF32<kT>(d, dy, i), LoadF32<kT>(d, x, i), partial + i), dx, i);
+  if (i < n) {
+    HWY_ALIGN float tg[kPad] = {}, tdy[kPad] = {}, tx[kPad] = {}, tdx[kPad], tp[kPad] = {};
+    const size_t bytes = static_cast<size_t>(n - i) * sizeof(float);
+    std::memcpy(tg, g + i, bytes);
+    TailToF32<kT>(dy, i, n - i, tdy);
+    TailToF32<kT>(x, i, n - i, tx);
+    if constexpr (kAccumulate) std::memcpy(tp, partial + i, bytes);
+    hn::Store(step(hn::Load(d, tg), hn::Load(d, tdy), hn::Load(d, tx), tp), d, tdx);
+    TailFromF32<kT>(tdx, dx, i, n - i);
+    if constexpr (kAccumulate) std::memcpy(partial + i, tp, bytes);
+  }
+}
+
+// Exported instantiations: fp32 rows (also the widened rows of other dtypes)
+// and bf16 rows read and written directly.
+float SumSquaresF32(const void* x, int64_t n) { return SumSquaresT<DType::kFloat32>(x, n); }
+float SumSquaresBF16(const void* x, int64_t n) { return SumSquaresT<DType::kBFloat16>(x, n); }
+void ScaleRowF32(const void* x, float r, const float* g, void* y, int64_t n) { ScaleRowT<DType::kFloat32>(x, r, g, y, n); }
+void ScaleRowBF16(const void* x, float r, const float* g, void* y, int64_t n) { ScaleRowT<DType::kBFloat16>(x, r, g, y, n); }
+float GdyXhatDotF32(const float* g, const void* dy, const void* x, float r, int64_t n) {
+  return GdyXhatDotT<DType::kFloat32>(g, dy, x, r, n);
+}
+float GdyXhatDotBF16(const float* g, const void* dy, const void* x, float r, int64_t n) {
+  return GdyXhatDotT<DType::kBFloat16>(g, dy, x, r, n);
+}
+void DxRowF32(const float* g, const void* dy, const void* x, float r, float m, void* dx, float* p, int64_t n) {
+  DxRowT<DType::kFloat32, false>(g, dy, x, r, m, dx, p, n);
+}
+void DxRowBF16(const float* g, const void* dy, const void* x, float r, float m, void* dx, float* p, int64_t n) {
+  DxRowT<DType::kBFloat16, false>(g, dy, x, r, m, dx, p, n);
+}
+void DxRowAccumulateF32(const float* g, const void* dy, const void* x, float r, float m, void* dx, float* p, int64_t n) {
+  DxRowT<DType::kFloat32, true>(g, dy, x, r, m, dx, p, n);
+}
+void DxRowAccumulateBF16(const float* g, const void* dy, const void* x, float r, float m, void* dx, float* p, int64_t n) {
+  DxRowT<DType::kBFloat16, true>(g, dy, x, r, m, dx, p, n);
 }
 
 // out = x * r
@@ -84,76 +232,6 @@ void MulRow(const float* HWY_RESTRICT g, const float* t, float* out, int64_t n) 
   for (; i < n; ++i) out[i] = g[i] * t[i];
 }
 
-// sum of (g*dy) * (x*r)
-float GdyXhatDot(const float* HWY_RESTRICT g, const float* HWY_RESTRICT dy, const float* HWY_RESTRICT x,
-                 float r, int64_t n) {
-  const hn::ScalableTag<float> d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  const auto vr = hn::Set(d, r);
-  auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
-  auto term = [&](const float* gp, const float* dyp, const float* xp) {
-    return hn::Mul(hn::Mul(hn::LoadU(d, gp), hn::LoadU(d, dyp)), hn::Mul(hn::LoadU(d, xp), vr));
-  };
-  int64_t i = 0;
-  for (; i + 4 * N <= n; i += 4 * N) {
-    a0 = hn::Add(a0, term(g + i, dy + i, x + i));
-    a1 = hn::Add(a1, term(g + i + N, dy + i + N, x + i + N));
-    a2 = hn::Add(a2, term(g + i + 2 * N, dy + i + 2 * N, x + i + 2 * N));
-    a3 = hn::Add(a3, term(g + i + 3 * N, dy + i + 3 * N, x + i + 3 * N));
-  }
-  for (; i + N <= n; i += N) a0 = hn::Add(a0, term(g + i, dy + i, x + i));
-  if (i < n) {
-    HWY_ALIGN float tg[kPad] = {}, tdy[kPad] = {}, tx[kPad] = {};
-    const size_t bytes = static_cast<size_t>(n - i) * sizeof(float);
-    std::memcpy(tg, g + i, bytes);
-    std::memcpy(tdy, dy + i, bytes);
-    std::memcpy(tx, x + i, bytes);
-    a1 = hn::Add(a1, term(tg, tdy, tx));
-  }
-  const auto total = hn::Add(hn::Add(a0, a1), hn::Add(a2, a3));
-  return hn::GetLane(hn::SumOfLanes(d, total));
-}
-
-// dx = r * (g*dy - xhat*m), xhat = x*r; with kAccumulate also partial += dy*xhat.
-// The frozen and trainable variants share this code, so their dx is bitwise equal.
-template <bool kAccumulate>
-HWY_INLINE void DxRowImpl(const float* HWY_RESTRICT g, const float* dy, const float* x, float r, float m,
-                          float* dx, float* HWY_RESTRICT partial, int64_t n) {
-  const hn::ScalableTag<float> d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  const auto vr = hn::Set(d, r);
-  const auto vm = hn::Set(d, m);
-  auto step = [&](const float* gp, const float* dyp, const float* xp, float* dxp, float* pp) {
-    const auto vdy = hn::LoadU(d, dyp);
-    const auto xhat = hn::Mul(hn::LoadU(d, xp), vr);
-    const auto g_dy = hn::Mul(hn::LoadU(d, gp), vdy);
-    hn::StoreU(hn::Mul(vr, hn::NegMulAdd(xhat, vm, g_dy)), d, dxp);
-    if constexpr (kAccumulate) hn::StoreU(hn::MulAdd(vdy, xhat, hn::LoadU(d, pp)), d, pp);
-  };
-  int64_t i = 0;
-  for (; i + N <= n; i += N) step(g + i, dy + i, x + i, dx + i, partial + i);
-  if (i < n) {
-    HWY_ALIGN float tg[kPad] = {}, tdy[kPad] = {}, tx[kPad] = {}, tdx[kPad] = {}, tp[kPad] = {};
-    const size_t bytes = static_cast<size_t>(n - i) * sizeof(float);
-    std::memcpy(tg, g + i, bytes);
-    std::memcpy(tdy, dy + i, bytes);
-    std::memcpy(tx, x + i, bytes);
-    if constexpr (kAccumulate) std::memcpy(tp, partial + i, bytes);
-    step(tg, tdy, tx, tdx, tp);
-    std::memcpy(dx + i, tdx, bytes);
-    if constexpr (kAccumulate) std::memcpy(partial + i, tp, bytes);
-  }
-}
-
-void DxRow(const float* g, const float* dy, const float* x, float r, float m, float* dx, float* partial,
-           int64_t n) {
-  DxRowImpl<false>(g, dy, x, r, m, dx, partial, n);
-}
-void DxRowAccumulate(const float* g, const float* dy, const float* x, float r, float m, float* dx,
-                     float* partial, int64_t n) {
-  DxRowImpl<true>(g, dy, x, r, m, dx, partial, n);
-}
-
 // dst += src
 void AddRow(float* HWY_RESTRICT dst, const float* HWY_RESTRICT src, int64_t n) {
   const hn::ScalableTag<float> d;
@@ -168,33 +246,43 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 namespace leanstep::rmsnorm {
-HWY_EXPORT(SumSquares);
-HWY_EXPORT(ScaleRow);
+HWY_EXPORT(SumSquaresF32);
+HWY_EXPORT(SumSquaresBF16);
+HWY_EXPORT(ScaleRowF32);
+HWY_EXPORT(ScaleRowBF16);
+HWY_EXPORT(GdyXhatDotF32);
+HWY_EXPORT(GdyXhatDotBF16);
+HWY_EXPORT(DxRowF32);
+HWY_EXPORT(DxRowBF16);
+HWY_EXPORT(DxRowAccumulateF32);
+HWY_EXPORT(DxRowAccumulateBF16);
 HWY_EXPORT(MulScalar);
 HWY_EXPORT(MulRow);
-HWY_EXPORT(GdyXhatDot);
-HWY_EXPORT(DxRow);
-HWY_EXPORT(DxRowAccumulate);
 HWY_EXPORT(AddRow);
 
 namespace {
 
-// A row of a contiguous [rows, H] view as fp32: the memory itself for fp32,
-// else widened into `scratch`.
-const float* row_as_f32(const Tensor& t, int64_t row, int64_t h, float* scratch) {
-  const char* p = static_cast<const char*>(t.data) + static_cast<size_t>(row * h) * t.element_size();
-  if (t.dtype == DType::kFloat32) return reinterpret_cast<const float*>(p);
-  convert_to_f32(p, t.dtype, scratch, h);
-  return scratch;
-}
+// fp32 and bf16 rows are read and written in place by the typed kernels; other
+// dtypes (fp16, or mixed dtypes) go through fp32 scratch rows.
+bool direct_dtype(DType t) { return t == DType::kFloat32 || t == DType::kBFloat16; }
 
-void* row_ptr(const Tensor& t, int64_t row, int64_t h) {
+const void* row_ptr(const Tensor& t, int64_t row, int64_t h) {
+  return static_cast<const char*>(t.data) + static_cast<size_t>(row * h) * t.element_size();
+}
+void* row_ptr_mut(const Tensor& t, int64_t row, int64_t h) {
   return static_cast<char*>(t.data) + static_cast<size_t>(row * h) * t.element_size();
 }
 
-// Per-chunk scratch rows; allocated once per chunk, outside the row loop.
+// A row as fp32: the memory itself for fp32, else widened into `scratch`.
+const float* row_as_f32(const Tensor& t, int64_t row, int64_t h, float* scratch) {
+  if (t.dtype == DType::kFloat32) return static_cast<const float*>(row_ptr(t, row, h));
+  convert_to_f32(row_ptr(t, row, h), t.dtype, scratch, h);
+  return scratch;
+}
+
+// Per-chunk scratch rows (only the scratch path uses them).
 struct Scratch {
-  explicit Scratch(int64_t h, int rows) : data(static_cast<size_t>(h) * static_cast<size_t>(rows)), h(h) {}
+  Scratch(int64_t h, int rows) : data(static_cast<size_t>(h) * static_cast<size_t>(rows)), h(h) {}
   float* row(int i) { return data.data() + static_cast<size_t>(i) * static_cast<size_t>(h); }
   std::vector<float> data;
   int64_t h;
@@ -209,18 +297,31 @@ void forward_fused(const Tensor& x, const Tensor& gamma, const Tensor& y, const 
   const std::vector<float> g = detail::effective_gamma(gamma, options.zero_centered_gamma);
   const float eps = static_cast<float>(options.eps);
   const bool cast_then_scale = options.rounding == RoundingOrder::kCastThenScale;
+  const bool direct = x.dtype == y.dtype && direct_dtype(x.dtype) && !cast_then_scale;
+  const bool bf16 = direct && x.dtype == DType::kBFloat16;
+  const auto sum_squares = bf16 ? HWY_DYNAMIC_DISPATCH(SumSquaresBF16) : HWY_DYNAMIC_DISPATCH(SumSquaresF32);
+  const auto scale_row = bf16 ? HWY_DYNAMIC_DISPATCH(ScaleRowBF16) : HWY_DYNAMIC_DISPATCH(ScaleRowF32);
   float* rstd_out = static_cast<float*>(rstd.data);
+  auto inv_rms = [&](float sum) { return 1.0f / std::sqrt(sum / static_cast<float>(h) + eps); };
 
   leanstep::detail::parallel_chunks(s.rows, detail::rows_per_chunk(h), [&](int64_t, int64_t begin, int64_t end) {
+    if (direct) {  // two passes over the row in its own dtype; the second from cache
+      for (int64_t row = begin; row < end; ++row) {
+        const void* xr = row_ptr(x, row, h);
+        const float r = inv_rms(sum_squares(xr, h));
+        rstd_out[row] = r;
+        scale_row(xr, r, g.data(), row_ptr_mut(y, row, h), h);
+      }
+      return;
+    }
     Scratch scratch(h, 3);  // widened x, fp32 output, x-dtype rounding buffer
     for (int64_t row = begin; row < end; ++row) {
       const float* xr = row_as_f32(x, row, h, scratch.row(0));
-      const float sum_squares = HWY_DYNAMIC_DISPATCH(SumSquares)(xr, h);
-      const float r = 1.0f / std::sqrt(sum_squares / static_cast<float>(h) + eps);
+      const float r = inv_rms(sum_squares(xr, h));
       rstd_out[row] = r;
-      float* out = y.dtype == DType::kFloat32 ? static_cast<float*>(row_ptr(y, row, h)) : scratch.row(1);
+      float* out = y.dtype == DType::kFloat32 ? static_cast<float*>(row_ptr_mut(y, row, h)) : scratch.row(1);
       if (!cast_then_scale) {
-        HWY_DYNAMIC_DISPATCH(ScaleRow)(xr, r, g.data(), out, h);
+        scale_row(xr, r, g.data(), out, h);
       } else {
         HWY_DYNAMIC_DISPATCH(MulScalar)(xr, r, out, h);
         if (x.dtype != DType::kFloat32) {  // round x*r to x's dtype, then multiply by g in fp32
@@ -229,7 +330,7 @@ void forward_fused(const Tensor& x, const Tensor& gamma, const Tensor& y, const 
         }
         HWY_DYNAMIC_DISPATCH(MulRow)(g.data(), out, out, h);
       }
-      if (y.dtype != DType::kFloat32) convert_from_f32(out, row_ptr(y, row, h), y.dtype, h);
+      if (y.dtype != DType::kFloat32) convert_from_f32(out, row_ptr_mut(y, row, h), y.dtype, h);
     }
   });
 }
@@ -243,23 +344,36 @@ void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const
   const int64_t chunk_rows = detail::rows_per_chunk(h);
   const int64_t chunks = leanstep::detail::num_chunks(s.rows, chunk_rows);
   const bool trainable = dgamma != nullptr;
+  const bool direct = dy.dtype == x.dtype && dx.dtype == x.dtype && direct_dtype(x.dtype);
+  const bool bf16 = direct && x.dtype == DType::kBFloat16;
+  const auto dot_fn = bf16 ? HWY_DYNAMIC_DISPATCH(GdyXhatDotBF16) : HWY_DYNAMIC_DISPATCH(GdyXhatDotF32);
+  const auto dx_fn = trainable ? (bf16 ? HWY_DYNAMIC_DISPATCH(DxRowAccumulateBF16) : HWY_DYNAMIC_DISPATCH(DxRowAccumulateF32))
+                               : (bf16 ? HWY_DYNAMIC_DISPATCH(DxRowBF16) : HWY_DYNAMIC_DISPATCH(DxRowF32));
 
   // Trainable only: one fp32 partial dgamma row per fixed chunk of rows.
   std::vector<float> partials(trainable ? static_cast<size_t>(std::max<int64_t>(chunks, 1) * h) : 0, 0.0f);
 
   leanstep::detail::parallel_chunks(s.rows, chunk_rows, [&](int64_t c, int64_t begin, int64_t end) {
-    Scratch scratch(h, 3);  // widened dy, widened x, fp32 dx
     float* partial = trainable ? partials.data() + static_cast<size_t>(c * h) : nullptr;
+    if (direct) {  // two passes over the row in its own dtype; the second from cache
+      for (int64_t row = begin; row < end; ++row) {
+        const void* dyr = row_ptr(dy, row, h);
+        const void* xr = row_ptr(x, row, h);
+        const float r = rstd_in[row];
+        const float mean_dot = dot_fn(g.data(), dyr, xr, r, h) / static_cast<float>(h);
+        dx_fn(g.data(), dyr, xr, r, mean_dot, row_ptr_mut(dx, row, h), partial, h);
+      }
+      return;
+    }
+    Scratch scratch(h, 3);  // widened dy, widened x, fp32 dx
     for (int64_t row = begin; row < end; ++row) {
       const float* dyr = row_as_f32(dy, row, h, scratch.row(0));
       const float* xr = row_as_f32(x, row, h, scratch.row(1));
       const float r = rstd_in[row];
-      const float dot = HWY_DYNAMIC_DISPATCH(GdyXhatDot)(g.data(), dyr, xr, r, h);
-      const float mean_dot = dot / static_cast<float>(h);
-      float* out = dx.dtype == DType::kFloat32 ? static_cast<float*>(row_ptr(dx, row, h)) : scratch.row(2);
-      if (trainable) HWY_DYNAMIC_DISPATCH(DxRowAccumulate)(g.data(), dyr, xr, r, mean_dot, out, partial, h);
-      else HWY_DYNAMIC_DISPATCH(DxRow)(g.data(), dyr, xr, r, mean_dot, out, nullptr, h);
-      if (dx.dtype != DType::kFloat32) convert_from_f32(out, row_ptr(dx, row, h), dx.dtype, h);
+      const float mean_dot = dot_fn(g.data(), dyr, xr, r, h) / static_cast<float>(h);
+      float* out = dx.dtype == DType::kFloat32 ? static_cast<float*>(row_ptr_mut(dx, row, h)) : scratch.row(2);
+      dx_fn(g.data(), dyr, xr, r, mean_dot, out, partial, h);
+      if (dx.dtype != DType::kFloat32) convert_from_f32(out, row_ptr_mut(dx, row, h), dx.dtype, h);
     }
   });
   if (!trainable) return;

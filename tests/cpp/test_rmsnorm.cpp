@@ -239,6 +239,39 @@ TEST(RmsNormBackward, ZeroCenteredGammaGivesTheSameGradientsAsPlainOnePlusGamma)
   for (int64_t i = 0; i < h; ++i) ASSERT_EQ(one_plus.data_as<float>()[i], 1.0f + gamma.data_as<float>()[i]);
 }
 
+TEST(RmsNormFused, DirectBf16RowsMatchTheWidenedScratchPathBitwise) {
+  // bf16 rows are read and written in place by typed kernels; mixed-dtype calls
+  // widen rows into fp32 scratch. Both run the same fp32 arithmetic, so the bf16
+  // outputs must equal the fp32 outputs rounded once to bf16.
+  std::mt19937_64 rng(test_seed());
+  for (int64_t h : {1, 7, 128, 229, 4097}) {
+    SCOPED_TRACE(h);
+    const int64_t rows = 13;
+    Buffer x(DType::kBFloat16, {rows, h}), gamma(DType::kBFloat16, {h}), dy(DType::kBFloat16, {rows, h});
+    fill_normal(x, rng);
+    fill_normal(gamma, rng, 1.0, 0.5);
+    fill_normal(dy, rng);
+    Buffer y16(DType::kBFloat16, {rows, h}), y32(DType::kFloat32, {rows, h}), r16(DType::kFloat32, {rows}),
+        r32(DType::kFloat32, {rows});
+    rn::forward_fused(x, gamma, y16, r16, {});
+    rn::forward_fused(x, gamma, y32, r32, {});
+    EXPECT_TRUE(bitwise_equal(r16, r32));
+    Buffer y32_rounded(DType::kBFloat16, {rows, h});
+    convert_from_f32(y32.data_as<float>(), y32_rounded.data(), DType::kBFloat16, rows * h);
+    EXPECT_TRUE(bitwise_equal(y16, y32_rounded));
+
+    Buffer dy32(DType::kFloat32, {rows, h}), dx16(DType::kBFloat16, {rows, h}), dx32(DType::kFloat32, {rows, h});
+    convert_to_f32(dy.data(), DType::kBFloat16, dy32.data_as<float>(), rows * h);
+    Buffer dg_direct(DType::kFloat32, {h}), dg_scratch(DType::kFloat32, {h});
+    rn::backward_fused(dy, x, r16, gamma, dx16, &dg_direct.view(), {});
+    rn::backward_fused(dy32, x, r16, gamma, dx32, &dg_scratch.view(), {});
+    Buffer dx32_rounded(DType::kBFloat16, {rows, h});
+    convert_from_f32(dx32.data_as<float>(), dx32_rounded.data(), DType::kBFloat16, rows * h);
+    EXPECT_TRUE(bitwise_equal(dx16, dx32_rounded));
+    EXPECT_TRUE(bitwise_equal(dg_direct, dg_scratch));
+  }
+}
+
 TEST(RmsNormForward, InPlaceEqualsOutOfPlace) {
   std::mt19937_64 rng(test_seed());
   for (DType dt : float_dtypes()) {
