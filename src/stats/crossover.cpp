@@ -438,13 +438,17 @@ CrossoverResult analyze_crossover(const std::vector<StepRecord>& records_in, con
       if (i == 0 || key != previous_key) block_start = pos;
       previous_key = key;
       if (pos < res.warmup) continue;
+      // The end of warm-up starts the first block for the exclusion too: every block then
+      // loses the same K positions, so each run contributes equally to every condition and
+      // run-to-run speed differences cancel exactly in the paired geometric mean.
+      const int64_t since_block_start = pos - std::max(block_start, res.warmup);
       if (!s.complete[i]) {
         ++incomplete;
         continue;
       }
       const double logd = std::log(s.duration_s[i]);
       with_transitions[pos].emplace_back(s.condition[i], logd);
-      if (pos - block_start >= res.exclude_after_transition) {
+      if (since_block_start >= res.exclude_after_transition) {
         without_transitions[pos].emplace_back(s.condition[i], logd);
         per_condition[s.condition[i]].push_back(s.duration_s[i]);
       }

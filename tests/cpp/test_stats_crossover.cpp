@@ -1,0 +1,442 @@
+// Crossover plans (Latin-square / Williams balance) and the paired analysis on synthetic
+// logs with known effects.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <random>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "leanstep/stats.h"
+#include "test_util.h"
+
+namespace leanstep::stats {
+namespace {
+
+using leanstep::testing::test_seed;
+
+std::vector<std::string> names(int k) {
+  std::vector<std::string> out;
+  for (int i = 0; i < k; ++i) out.push_back(i == 0 ? "base" : "c" + std::to_string(i));
+  return out;
+}
+
+// ---------------------------------------------------------------- plans
+
+// Counts independently of check_balance: every run a permutation, every condition equally
+// often at every block position on every allocation, and (when promised) every ordered pair
+// of distinct conditions adjacent equally often.
+void expect_balanced(const CrossoverPlan& plan, int k, int runs, int allocations) {
+  ASSERT_EQ(static_cast<int>(plan.runs.size()), runs);
+  std::map<std::string, std::map<int, std::map<std::string, int>>> at;  // allocation -> position -> condition
+  std::map<std::pair<std::string, std::string>, int> follows;
+  std::map<std::string, int> runs_per_allocation;
+  for (const auto& r : plan.runs) {
+    ASSERT_EQ(static_cast<int>(r.blocks.size()), k);
+    EXPECT_EQ(std::set<std::string>(r.blocks.begin(), r.blocks.end()),
+              std::set<std::string>(plan.conditions.begin(), plan.conditions.end()));
+    ++runs_per_allocation[r.allocation];
+    for (int p = 0; p < k; ++p) {
+      ++at[r.allocation][p][r.blocks[p]];
+      if (p + 1 < k) ++follows[{r.blocks[p], r.blocks[p + 1]}];
+    }
+  }
+  EXPECT_EQ(static_cast<int>(runs_per_allocation.size()), allocations);
+  for (const auto& [alloc, n] : runs_per_allocation) EXPECT_EQ(n, runs / allocations) << alloc;
+  for (const auto& [alloc, positions] : at)
+    for (int p = 0; p < k; ++p)
+      for (const auto& c : plan.conditions)
+        EXPECT_EQ(positions.at(p).count(c) ? positions.at(p).at(c) : 0, runs / allocations / k)
+            << "allocation " << alloc << " position " << p << " condition " << c;
+  const int per_alloc = runs / allocations;
+  const bool williams_possible = per_alloc % (k % 2 == 0 ? k : 2 * k) == 0;
+  EXPECT_EQ(plan.carryover_balanced, williams_possible);
+  EXPECT_EQ(plan.design, williams_possible ? "williams" : "cyclic latin square");
+  if (williams_possible) {
+    // k(k-1) ordered pairs share runs * (k-1) adjacencies.
+    const int expected = runs * (k - 1) / (k * (k - 1));
+    for (const auto& a : plan.conditions)
+      for (const auto& b : plan.conditions)
+        if (a != b) {
+          EXPECT_EQ((follows[{a, b}]), expected) << a << " -> " << b;
+        }
+  }
+  const PlanBalance b = check_balance(plan);
+  EXPECT_TRUE(b.positions_balanced);
+  EXPECT_TRUE(b.every_run_complete);
+  EXPECT_EQ(b.carryover_balanced, williams_possible);
+}
+
+TEST(StatsPlan, LatinSquareBalanceForTwoToSixConditions) {
+  for (int k = 2; k <= 6; ++k)
+    for (int allocations = 1; allocations <= 3; ++allocations)
+      for (int squares = 1; squares <= 4; ++squares) {
+        const int runs = k * allocations * squares;
+        SCOPED_TRACE(::testing::Message() << k << " conditions, " << runs << " runs, " << allocations << " allocations");
+        std::vector<std::string> allocs;
+        for (int a = 0; a < allocations; ++a) allocs.push_back("node" + std::to_string(a));
+        const auto plan = plan_crossover(names(k), runs, 7, 3, allocations == 1 ? std::vector<std::string>{} : allocs, 2);
+        expect_balanced(plan, k, runs, allocations);
+        EXPECT_EQ(plan.steps_per_run(), 3 + 7 * k);
+      }
+}
+
+TEST(StatsPlan, ImpossibleRequestsAreErrors) {
+  EXPECT_LEANSTEP_ERROR(plan_crossover(names(4), 6, 10, 0), "argument 'runs' must be a multiple of conditions x allocations = 4 x 1 = 4");
+  EXPECT_LEANSTEP_ERROR(plan_crossover(names(4), 6, 10, 0), "use 4 or 8");
+  EXPECT_LEANSTEP_ERROR(plan_crossover(names(3), 3, 10, 0, {"a", "b"}), "= 3 x 2 = 6");
+  EXPECT_LEANSTEP_ERROR(plan_crossover(names(3), 0, 10, 0), "argument 'runs' must be >= 1");
+  EXPECT_LEANSTEP_ERROR(plan_crossover({"A"}, 1, 10, 0), "at least 2 conditions");
+  EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B", "A"}, 3, 10, 0), "must not repeat a name (got 'A' twice)");
+  EXPECT_LEANSTEP_ERROR(plan_crossover({"A", ""}, 2, 10, 0), "must not contain empty names");
+  EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B,C"}, 2, 10, 0), "must not contain ','");
+  EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B"}, 2, 0, 0), "argument 'block_steps' must be >= 1");
+  EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B"}, 2, 10, -1), "argument 'warmup' must be >= 0");
+  EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B"}, 2, 10, 0, {}, 10), "exclude_after_transition");
+  EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B"}, 2, 10, 0, {"x", "x"}), "argument 'allocations' must not repeat");
+}
+
+TEST(StatsPlan, StepsJsonRoundTripAndValidation) {
+  const auto plan = plan_crossover({"base", "A", "B", "A+B"}, 8, 5, 4, {"n0", "n1"}, 1);
+  // Warm-up steps run block 0's condition; then blocks of 5.
+  const auto& run3 = plan.runs[3];
+  EXPECT_EQ(plan.at(3, 0).condition, run3.blocks[0]);
+  EXPECT_TRUE(plan.at(3, 3).warmup);
+  EXPECT_EQ(plan.at(3, 3).block, 0);
+  EXPECT_FALSE(plan.at(3, 4).warmup);
+  EXPECT_EQ(plan.at(3, 9).condition, run3.blocks[1]);
+  EXPECT_EQ(plan.at(3, 9).block, 1);
+  EXPECT_EQ(plan.at(3, 23).condition, run3.blocks[3]);
+  EXPECT_LEANSTEP_ERROR(plan.at(3, 24), "argument 'position' must be in [0, 24)");
+  EXPECT_LEANSTEP_ERROR(plan.at(8, 0), "argument 'run_index'");
+  EXPECT_EQ(plan.run_index("run5"), 5);
+  EXPECT_EQ(plan.run_index("nope"), -1);
+
+  const auto back = plan_from_json(to_json(plan));
+  EXPECT_EQ(back.conditions, plan.conditions);
+  EXPECT_EQ(back.allocations, plan.allocations);
+  EXPECT_EQ(back.block_steps, 5);
+  EXPECT_EQ(back.warmup, 4);
+  EXPECT_EQ(back.exclude_after_transition, 1);
+  EXPECT_EQ(back.design, plan.design);
+  EXPECT_EQ(back.carryover_balanced, plan.carryover_balanced);
+  ASSERT_EQ(back.runs.size(), plan.runs.size());
+  for (size_t i = 0; i < plan.runs.size(); ++i) {
+    EXPECT_EQ(back.runs[i].name, plan.runs[i].name);
+    EXPECT_EQ(back.runs[i].allocation, plan.runs[i].allocation);
+    EXPECT_EQ(back.runs[i].blocks, plan.runs[i].blocks);
+  }
+  auto j = to_json(plan);
+  j["runs"][2]["blocks"][1] = j["runs"][2]["blocks"][0];
+  EXPECT_LEANSTEP_ERROR(plan_from_json(j, "p.json"), "p.json: run 'run2' must hold every condition exactly once");
+  j = to_json(plan);
+  j.erase("block_steps");
+  EXPECT_LEANSTEP_ERROR(plan_from_json(j, "p.json"), "p.json: malformed crossover plan");
+  const std::string text = format_plan(plan);
+  EXPECT_NE(text.find("balanced over block positions and allocations: yes"), std::string::npos) << text;
+}
+
+// ---------------------------------------------------------------- synthetic crossover logs
+
+struct Synthetic {
+  std::map<std::string, double> effect;  // multiplicative step-time factor per condition
+  double sigma = 0.02;                   // lognormal noise
+  double drift_per_step = 0.002;         // slow drift common to all runs
+  double run_spread = 0.05;              // per-run speed differences (allocation, node)
+  std::map<std::string, double> transition_penalty;  // factor on the first 2 steps of a block > 0
+  int ranks = 1;
+  bool log_conditions = true;
+};
+
+std::vector<StepRecord> generate(const CrossoverPlan& plan, const Synthetic& syn, std::mt19937_64& rng) {
+  std::normal_distribution<double> noise(0, syn.sigma);
+  std::uniform_real_distribution<double> spread(1 - syn.run_spread, 1 + syn.run_spread);
+  std::vector<StepRecord> out;
+  for (int r = 0; r < static_cast<int>(plan.runs.size()); ++r) {
+    const double run_factor = spread(rng);
+    for (int64_t pos = 0; pos < plan.steps_per_run(); ++pos) {
+      const PlannedStep ps = plan.at(r, pos);
+      double d = 0.05 * run_factor * (1 + syn.drift_per_step * static_cast<double>(pos)) * syn.effect.at(ps.condition);
+      const int64_t in_block = (pos - plan.warmup) % plan.block_steps;
+      if (!ps.warmup && ps.block > 0 && in_block < 2 && syn.transition_penalty.count(ps.condition))
+        d *= syn.transition_penalty.at(ps.condition);
+      for (int rank = 0; rank < syn.ranks; ++rank) {
+        StepRecord rec;
+        rec.run = plan.runs[static_cast<size_t>(r)].name;
+        rec.rank = rank;
+        rec.step = pos;
+        rec.duration_s = d * std::exp(noise(rng));
+        if (syn.log_conditions) {
+          rec.condition = ps.condition;
+          rec.block = ps.block;
+        }
+        out.push_back(rec);
+      }
+    }
+  }
+  return out;
+}
+
+CrossoverOptions with_plan(const CrossoverPlan& plan) {
+  CrossoverOptions options;
+  options.plan = &plan;
+  return options;
+}
+
+const PairResult& find(const CrossoverResult& r, const std::string& c, const std::string& v) {
+  for (const auto& p : r.comparisons)
+    if (p.condition == c && p.versus == v) return p;
+  throw std::runtime_error("comparison not found: " + c + " vs " + v);
+}
+
+TEST(StatsCrossover, RecoversTenPercentUnderDriftRunEffectsAndNoise) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t S = 30;
+  const auto plan = plan_crossover({"base", "fast"}, 4, S, 10, {}, 2);
+  Synthetic syn;
+  syn.effect = {{"base", 1.0}, {"fast", 0.9}};
+  const auto result = analyze_crossover(generate(plan, syn, rng), with_plan(plan));
+  ASSERT_EQ(result.comparisons.size(), 1u);
+  const auto& p = result.comparisons[0];
+  EXPECT_EQ(p.condition, "fast");
+  EXPECT_EQ(p.versus, "base");
+  // Matched positions: 2 blocks of 30, minus the first 2 of each (block 0 starts after
+  // warm-up; excluding its first steps too keeps every run's blocks equally long).
+  EXPECT_EQ(p.matched_positions, 2 * S - 4);
+  EXPECT_EQ(p.matched_positions_with_transitions, 2 * S);
+  // Drift is common to both sides of every matched position and the run effects cancel by
+  // balance (each run holds each condition on the same number of matched positions), so only
+  // noise remains: each position's log ratio averages m = 2 runs per side, variance
+  // 2 sigma^2 / m; over n = 56 positions the standard error of the mean log ratio is
+  // sigma * sqrt(2 / (m n)) = 0.0027. 4.5 standard errors: 0.012 (false alarm < 1e-5).
+  const double se = syn.sigma * std::sqrt(2.0 / (2.0 * static_cast<double>(p.matched_positions)));
+  EXPECT_NEAR(std::log(p.geomean_ratio), std::log(0.9), 4.5 * se);
+  EXPECT_NEAR(p.reduction, 0.10, 4.5 * se);
+  EXPECT_LT(p.ci_low, p.reduction);
+  EXPECT_GT(p.ci_high, p.reduction);
+  // Without run effects the bootstrap interval has about the normal width 2 x 1.96 se (in
+  // reduction units, times the ratio 0.9). With them it is wider (conservative): the
+  // bootstrap over positions sees run differences that the balanced design cancels.
+  Synthetic same_speed = syn;
+  same_speed.run_spread = 0;
+  const auto q = analyze_crossover(generate(plan, same_speed, rng), with_plan(plan)).comparisons[0];
+  const double width = q.ci_high - q.ci_low;
+  EXPECT_GT(width, 0.6 * 2 * 1.96 * se * 0.9);
+  EXPECT_LT(width, 1.6 * 2 * 1.96 * se * 0.9);
+  EXPECT_GE(p.ci_high - p.ci_low, 0.6 * width);
+  // Reproducible: the same logs give the same interval.
+  const auto again = analyze_crossover(generate(plan, syn, rng = std::mt19937_64(0)), with_plan(plan));
+  const auto again2 = analyze_crossover(generate(plan, syn, rng = std::mt19937_64(0)), with_plan(plan));
+  EXPECT_EQ(again.comparisons[0].ci_low, again2.comparisons[0].ci_low);
+  EXPECT_EQ(again.comparisons[0].ci_high, again2.comparisons[0].ci_high);
+  EXPECT_EQ(nlohmann::json(to_json(again)).dump(), nlohmann::json(to_json(again2)).dump());
+}
+
+TEST(StatsCrossover, TransitionStepsWithAndWithout) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t S = 20;
+  // 4 conditions, 8 runs (2 Williams squares); "fast" 10% faster but 50% slower on the first
+  // 2 steps of each block after a transition.
+  const auto plan = plan_crossover({"base", "fast", "x", "y"}, 8, S, 6, {}, 2);
+  Synthetic syn;
+  syn.effect = {{"base", 1.0}, {"fast", 0.9}, {"x", 1.0}, {"y", 1.0}};
+  syn.transition_penalty = {{"fast", 1.5}};
+  syn.ranks = 2;
+  CrossoverOptions options;
+  options.plan = &plan;
+  const auto result = analyze_crossover(generate(plan, syn, rng), options);
+  const auto& p = find(result, "fast", "base");
+  EXPECT_EQ(result.warmup, 6);
+  EXPECT_EQ(result.exclude_after_transition, 2);
+  // 4 blocks x 2 excluded positions (block 0 after warm-up too).
+  EXPECT_EQ(p.matched_positions, 4 * S - 8);
+  EXPECT_EQ(p.matched_positions_with_transitions, 4 * S);
+  // Excluding transitions recovers 10%. With them, the 6 positions after transitions carry log 1.5
+  // extra for "fast": mean log ratio = log 0.9 + 6 / 80 log 1.5.
+  // Noise: max over 2 ranks of lognormal sigma has a smaller spread than sigma, so the
+  // single-rank standard error is an upper bound: sigma sqrt(2 / (2 n)).
+  const double se = syn.sigma * std::sqrt(1.0 / static_cast<double>(p.matched_positions));
+  // Max over 2 ranks shifts both sides alike (same noise law), so the ratio is unbiased.
+  EXPECT_NEAR(std::log(p.geomean_ratio), std::log(0.9), 4.5 * se);
+  EXPECT_NEAR(std::log(p.geomean_ratio_with_transitions), std::log(0.9) + 6.0 / 80 * std::log(1.5), 4.5 * se);
+  // Conditions without an effect compare as equal.
+  EXPECT_NEAR(std::log(find(result, "y", "x").geomean_ratio), 0.0, 4.5 * se);
+  // No exclusion: both figures coincide.
+  options.exclude_after_transition = 0;
+  const auto all = analyze_crossover(generate(plan, syn, rng), options);
+  EXPECT_EQ(find(all, "fast", "base").matched_positions, 4 * S);
+  EXPECT_EQ(find(all, "fast", "base").reduction, find(all, "fast", "base").reduction_with_transitions);
+}
+
+TEST(StatsCrossover, InteractionOfTwoOptimizations) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t S = 25;
+  // A: 10% faster, B: 20%, together 25% (not the 28% independent gains would give).
+  const auto plan = plan_crossover({"base", "A", "B", "A+B"}, 4, S, 5, {}, 2);
+  Synthetic syn;
+  syn.effect = {{"base", 1.0}, {"A", 0.9}, {"B", 0.8}, {"A+B", 0.75}};
+  const auto records = generate(plan, syn, rng);
+  const auto result = analyze_crossover(records, with_plan(plan));
+  // Pairs: 3 vs baseline, then every other pair.
+  ASSERT_EQ(result.comparisons.size(), 6u);
+  EXPECT_EQ(result.comparisons[0].condition, "A");
+  EXPECT_EQ(result.comparisons[3].condition, "B");
+  EXPECT_EQ(result.comparisons[3].versus, "A");
+  // One run per condition per position: se of the mean log ratio = sigma sqrt(2 / n).
+  const double n = static_cast<double>(4 * S - 8);
+  const double tol = 4.5 * syn.sigma * std::sqrt(2.0 / n);
+  ASSERT_EQ(result.interactions.size(), 1u);  // "A+B" found by name
+  const auto& in = result.interactions[0];
+  EXPECT_EQ(in.combined, "A+B");
+  EXPECT_EQ(in.first, "A");
+  EXPECT_EQ(in.second, "B");
+  EXPECT_NEAR(in.first_vs_baseline, 0.10, tol);
+  EXPECT_NEAR(in.second_vs_baseline, 0.20, tol);
+  EXPECT_NEAR(in.combined_vs_baseline, 0.25, tol);
+  EXPECT_NEAR(in.combined_vs_first, 1 - 0.75 / 0.9, tol);   // adding B on top of A
+  EXPECT_NEAR(in.combined_vs_second, 1 - 0.75 / 0.8, tol);  // adding A on top of B
+  EXPECT_NEAR(in.independent_prediction, 1 - 0.9 * 0.8, 2 * tol);
+  EXPECT_NEAR(find(result, "A+B", "A").reduction, in.combined_vs_first, 1e-12);
+  // The same view for a combined condition with another name, given explicitly.
+  auto renamed = records;
+  for (auto& r : renamed)
+    if (r.condition == "A+B") r.condition = "all";
+  CrossoverOptions options;
+  options.warmup = 5;  // as the plan: the same positions, so the same figures
+  options.interactions = {{"all", {"A", "B"}}};
+  const auto named = analyze_crossover(renamed, options);
+  ASSERT_EQ(named.interactions.size(), 1u);
+  EXPECT_NEAR(named.interactions[0].combined_vs_first, in.combined_vs_first, 1e-12);
+  EXPECT_EQ(named.baseline, "base");  // first condition seen (run0 starts with base)
+  const std::string text = format_crossover(named);
+  EXPECT_NE(text.find("adding B on top of A"), std::string::npos) << text;
+  options.interactions = {{"all", {"A", "nope"}}};
+  EXPECT_LEANSTEP_ERROR(analyze_crossover(renamed, options), "names a condition that was not logged (got 'nope')");
+  options.interactions = {{"all", {"A", "base"}}};
+  EXPECT_LEANSTEP_ERROR(analyze_crossover(renamed, options), "none the baseline");
+}
+
+TEST(StatsCrossover, PlanChecksLogsAndSuppliesConditions) {
+  std::mt19937_64 rng(test_seed());
+  const auto plan = plan_crossover({"base", "A"}, 2, 8, 2, {}, 1);
+  Synthetic syn;
+  syn.effect = {{"base", 1.0}, {"A", 0.95}};
+  syn.log_conditions = false;
+  auto records = generate(plan, syn, rng);
+  // Without conditions and without the plan: an error that says what to do.
+  EXPECT_LEANSTEP_ERROR(analyze_crossover(records), "has no condition; log the 'condition' key or pass the plan");
+  const auto result = analyze_crossover(records, with_plan(plan));
+  EXPECT_EQ(result.baseline, "base");
+  EXPECT_EQ(result.comparisons[0].matched_positions, 2 * 8 - 2);
+  // A logged condition that contradicts the plan.
+  records[5].condition = "A";  // run0 step 5 is block 0 = base
+  EXPECT_LEANSTEP_ERROR(analyze_crossover(records, with_plan(plan)), "run 'run0' step 5 logged condition 'A' but the plan says 'base'");
+  records[5].condition.clear();
+  records[3].run = "run9";
+  EXPECT_LEANSTEP_ERROR(analyze_crossover(records, with_plan(plan)), "run 'run9' of the logs is not in the plan");
+  records[3].run = "run0";
+  StepRecord beyond = records[0];
+  beyond.step = plan.steps_per_run();
+  records.push_back(beyond);
+  EXPECT_LEANSTEP_ERROR(analyze_crossover(records, with_plan(plan)), "lies beyond the plan");
+  records.pop_back();
+  // A plan run without logs is noted: the design is no longer balanced.
+  std::vector<StepRecord> only_run0;
+  for (const auto& r : records)
+    if (r.run == "run0") only_run0.push_back(r);
+  const auto partial = analyze_crossover(only_run0, with_plan(plan));
+  bool noted = false;
+  for (const auto& n : partial.notes) noted = noted || n.find("run 'run1' of the plan has no logs") != std::string::npos;
+  EXPECT_TRUE(noted);
+  EXPECT_EQ(partial.comparisons[0].matched_positions, 0);  // one run never pairs positions
+  EXPECT_TRUE(std::isnan(partial.comparisons[0].reduction));
+  EXPECT_TRUE(to_json(partial)["comparisons"][0]["reduction"].is_null());
+}
+
+TEST(StatsCrossover, MissingRanksAreExcludedAndNoted) {
+  std::mt19937_64 rng(test_seed());
+  const auto plan = plan_crossover({"base", "A"}, 2, 10, 0, {}, 0);
+  Synthetic syn;
+  syn.effect = {{"base", 1.0}, {"A", 0.9}};
+  syn.ranks = 2;
+  auto records = generate(plan, syn, rng);
+  // Drop rank 1 of run1 at step 4: that position loses its partner and is not matched.
+  records.erase(std::remove_if(records.begin(), records.end(),
+                               [](const StepRecord& r) { return r.run == "run1" && r.step == 4 && r.rank == 1; }),
+                records.end());
+  const auto result = analyze_crossover(records, with_plan(plan));
+  EXPECT_EQ(result.comparisons[0].matched_positions, 2 * 10 - 1);
+  bool noted = false;
+  for (const auto& n : result.notes) noted = noted || n.find("run 'run1': 1 step(s) with missing ranks excluded") != std::string::npos;
+  EXPECT_TRUE(noted);
+}
+
+TEST(StatsCrossover, JsonKeysAndArgumentErrors) {
+  std::mt19937_64 rng(test_seed());
+  const auto plan = plan_crossover({"base", "A", "B"}, 6, 6, 2, {}, 1);
+  Synthetic syn;
+  syn.effect = {{"base", 1.0}, {"A", 0.9}, {"B", 0.95}};
+  const auto records = generate(plan, syn, rng);
+  CrossoverOptions options;
+  options.baseline = "A";
+  const auto j = to_json(analyze_crossover(records, options));
+  EXPECT_EQ(j["baseline"], "A");
+  ASSERT_EQ(j["comparisons"].size(), 3u);
+  for (const char* key : {"condition", "versus", "reduction", "ci_low", "ci_high", "matched_positions",
+                          "reduction_with_transitions"})
+    EXPECT_TRUE(j["comparisons"][0].contains(key)) << key;
+  EXPECT_EQ(j["comparisons"][0]["condition"], "base");
+  EXPECT_EQ(j["comparisons"][0]["versus"], "A");
+  EXPECT_LT(j["comparisons"][0]["reduction"].get<double>(), 0);  // base is slower than A
+  options.baseline = "Z";
+  EXPECT_LEANSTEP_ERROR(analyze_crossover(records, options), "argument 'baseline' must be one of the logged conditions (got 'Z')");
+  options.baseline.clear();
+  options.bootstrap_resamples = 10;
+  EXPECT_LEANSTEP_ERROR(analyze_crossover(records, options), "argument 'bootstrap_resamples' must be >= 100");
+  EXPECT_LEANSTEP_ERROR(analyze_crossover({}), "argument 'records' must not be empty");
+  std::vector<StepRecord> one_condition;
+  for (const auto& r : records)
+    if (r.condition == "A") one_condition.push_back(r);
+  EXPECT_LEANSTEP_ERROR(analyze_crossover(one_condition), "at least 2 conditions");
+}
+
+TEST(StatsBootstrap, GeomeanIntervalProperties) {
+  std::mt19937_64 rng(test_seed());
+  std::normal_distribution<double> noise(std::log(0.8), 0.05);
+  std::vector<double> logs(400);
+  for (auto& v : logs) v = noise(rng);
+  const auto a = geomean_ratio_ci(logs, 2000, 7);
+  const auto b = geomean_ratio_ci(logs, 2000, 7);
+  EXPECT_EQ(a.low, b.low);  // fixed seed: reproducible bit for bit
+  EXPECT_EQ(a.high, b.high);
+  const auto c = geomean_ratio_ci(logs, 2000, 8);
+  EXPECT_NE(a.low, c.low);
+  double mean = 0;
+  for (double v : logs) mean += v;
+  mean /= static_cast<double>(logs.size());
+  EXPECT_NEAR(a.geomean, std::exp(mean), 1e-12);
+  EXPECT_LT(a.low, a.geomean);
+  EXPECT_GT(a.high, a.geomean);
+  // Width against the normal theory: 2 x 1.96 x s / sqrt(n) in log space (25% slack for
+  // bootstrap and sample-sd variability).
+  const double se = 0.05 / std::sqrt(400.0);
+  EXPECT_NEAR(std::log(a.high) - std::log(a.low), 2 * 1.96 * se, 0.25 * 2 * 1.96 * se);
+  // Moving blocks: the same point estimate.
+  const auto blocks = geomean_ratio_ci(logs, 2000, 7, 10);
+  EXPECT_NEAR(blocks.geomean, a.geomean, 1e-12);
+  EXPECT_LT(blocks.low, blocks.geomean);
+  // Constant ratios: a degenerate interval; none: NaN; one: the point.
+  const auto constant = geomean_ratio_ci(std::vector<double>(50, std::log(0.9)), 500, 1);
+  EXPECT_NEAR(constant.low, 0.9, 1e-12);
+  EXPECT_NEAR(constant.high, 0.9, 1e-12);
+  EXPECT_TRUE(std::isnan(geomean_ratio_ci({}, 500, 1).geomean));
+  EXPECT_EQ(geomean_ratio_ci({0.0}, 500, 1).n, 1);
+  EXPECT_LEANSTEP_ERROR(geomean_ratio_ci(logs, 0, 1), "argument 'resamples' must be >= 1");
+  EXPECT_LEANSTEP_ERROR(geomean_ratio_ci(logs, 10, 1, 0), "argument 'block' must be >= 1");
+}
+
+}  // namespace
+}  // namespace leanstep::stats
