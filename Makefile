@@ -26,15 +26,16 @@ build: sysdeps
 	cmake --preset release >/dev/null
 	cmake --build --preset release -j $(JOBS)
 
-# The Python package, built by scikit-build-core into the venv.
-python: pydeps build
-	@if [ -f pyproject.toml ]; then $(PY) -m pip install -q --no-build-isolation . ; fi
+# The Python package, built by scikit-build-core into the venv (its own
+# incremental CMake build under build/python/).
+python: pydeps
+	$(PY) -m pip install -q --no-build-isolation .
 
 test-cpp: build
 	ctest --preset release -j $(JOBS)
 
 test-python: python
-	@if ls tests/python/test_*.py >/dev/null 2>&1; then $(PY) -m pytest -q tests/python; else echo "no Python tests"; fi
+	$(PY) -m pytest -q tests/python
 
 test: test-cpp test-python
 
@@ -51,9 +52,9 @@ test-tsan: sysdeps
 demo: pydeps build
 	$(BUILD)/release/leanstep demo
 
-bench: python
+bench: build python
 	$(BUILD)/release/leanstep bench grad
-	@if [ -f bench/peers.py ]; then $(PY) bench/peers.py; fi
+	$(PY) bench/peers.py
 
 clean:
 	rm -rf $(BUILD)/release $(BUILD)/debug $(BUILD)/asan $(BUILD)/tsan

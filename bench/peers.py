@@ -1,0 +1,441 @@
+#!/usr/bin/env python3
+"""leanstep against its peers, on the same tensors, in one process.
+
+    python bench/peers.py [--quick] [--only grad,rmsnorm,moe] [--json]
+
+Gradient engine (layouts as `leanstep bench grad`: one EP rank of
+Qwen3-Omni-30B-A3B LoRA r8 (distributed optimizer, dp 8) and a dense ~101M fp32
+model (distributed optimizer, dp 6), Megatron-Core DDP buffers, fp32 grads):
+  norm       torch per-tensor loop, torch._foreach_norm, one norm over the flat
+             buffers, Megatron-Core get_grad_norm_fp32, leanstep GradPlan.norm,
+             and Megatron-Core's function with leanstep.megatron installed
+  clip       torch per-tensor mul_, torch._foreach_mul_, Megatron-Core
+             clip_grad_by_total_norm_fp32, leanstep GradPlan.clip_
+  norm_clip  torch.nn.utils.clip_grad_norm_ (foreach off/on), Megatron-Core
+             norm + clip, leanstep norm_clip_, Megatron-Core patched
+RMSNorm (shapes as `leanstep bench rmsnorm`), frozen weight:
+  forward, fwd_bwd_frozen: HF-style composite, torch.nn.functional.rms_norm,
+             leanstep.torch.RMSNorm (frozen direct path)
+MoE (as `leanstep bench moe`: T 4096, E 128, top-8, H 2048):
+  permute, unpermute: Megatron-Core moe_utils vs leanstep (fused).
+
+Megatron-Core's gradient helpers hard-code device='cuda' for their scalars and
+assert a CUDA grad type; to run their own code on the CPU, the harness maps
+those scalar allocations to the CPU and answers the type assertion (nothing
+else in their code path changes). A one-rank gloo process group serves the
+collectives.
+
+Prints a table (median ms, GB/s, x of the bandwidth floor, speedup vs the
+first peer of the op) and JSON lines {bench, case, op, variant, median_ms,
+bytes, gbps}. The machine may be shared: medians, repeated runs.
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+import types
+import warnings
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+import torch  # noqa: E402
+
+import leanstep  # noqa: E402
+import leanstep.megatron as lm  # noqa: E402
+import leanstep.torch as lt  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------- timing
+
+
+def time_it(fn, min_reps, min_seconds, warmup=1, setup=None):
+    for _ in range(warmup):
+        if setup:
+            setup()
+        fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start < min_seconds and len(times) < 200):
+        if setup:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+class Results:
+    def __init__(self, args):
+        self.rows = []
+        self.args = args
+        self.floors = {}
+
+    def add(self, bench, case, op, variant, median_ms, nbytes, floor_access):
+        row = {"bench": bench, "case": case, "op": op, "variant": variant,
+               "median_ms": round(median_ms, 4), "bytes": int(nbytes),
+               "gbps": round(nbytes / (median_ms * 1e-3) / 1e9, 3)}
+        floor = self.floors.get(floor_access)
+        if floor:
+            floor_ms = nbytes / (floor * 1e9) * 1e3
+            row["floor_ms"] = round(floor_ms, 4)
+            row["x_floor"] = round(median_ms / floor_ms, 3)
+        row["threads"] = leanstep.num_threads()
+        self.rows.append(row)
+        print(f"  {bench:8s} {case:34s} {op:15s} {variant:34s} {median_ms:10.3f} ms",
+              file=sys.stderr, flush=True)
+
+    def table(self):
+        out = []
+        header = f"{'bench':8s} {'case':34s} {'op':15s} {'variant':34s} {'median ms':>10s} " \
+                 f"{'GB/s':>8s} {'x floor':>8s} {'speedup':>8s}"
+        out.append(header)
+        out.append("-" * len(header))
+        baseline = {}
+        for r in self.rows:
+            key = (r["bench"], r["case"], r["op"])
+            baseline.setdefault(key, r["median_ms"])
+            speedup = baseline[key] / r["median_ms"]
+            out.append(f"{r['bench']:8s} {r['case']:34s} {r['op']:15s} {r['variant']:34s} "
+                       f"{r['median_ms']:10.3f} {r['gbps']:8.2f} {r.get('x_floor', float('nan')):8.2f} "
+                       f"{speedup:8.2f}")
+        return "\n".join(out)
+
+
+# ---------------------------------------------------------------- running Megatron-Core's own code on CPU
+
+
+class _CpuTorch(types.ModuleType):
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _cpu(kwargs):
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return kwargs
+
+    def zeros(self, *args, **kwargs):
+        return torch.zeros(*args, **self._cpu(kwargs))
+
+    def tensor(self, *args, **kwargs):
+        return torch.tensor(*args, **self._cpu(kwargs))
+
+
+@contextlib.contextmanager
+def megatron_on_cpu():
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.utils as mutils
+
+    shim = _CpuTorch()
+    saved = clip_grads.torch, mutils.torch
+    clip_grads.torch = mutils.torch = shim
+    original_type = torch.Tensor.type
+
+    def cuda_type(self, *args, **kwargs):
+        if not args and not kwargs and self.dtype == torch.float32:
+            return "torch.cuda.FloatTensor"
+        return original_type(self, *args, **kwargs)
+
+    torch.Tensor.type = cuda_type
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original_type
+        clip_grads.torch, mutils.torch = saved
+
+
+def init_process_group():
+    if torch.distributed.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+
+
+class Param:
+    """What Megatron-Core's clip reads: an object with .grad."""
+
+    def __init__(self, grad):
+        self.grad = grad
+
+
+# ---------------------------------------------------------------- gradient engine
+
+
+def grad_layouts(quick):
+    config = os.path.join(ROOT, "examples/models/qwen3-omni-30b-a3b-instruct.config.json")
+    if "lora" in leanstep.areas and os.path.exists(config):
+        plan = leanstep.lora_plan(config, ["linear_qkv", "linear_fc1", "linear_fc2"], 8, ep=8)
+        lora_params = [(t["name"], t["shape"], t["dtype"], ".experts." in t["name"])
+                       for t in plan["ranks"][0]["layout"]]
+    else:
+        lora_params = leanstep.model_params("qwen3_omni_lora", 8, 8)
+    yield ("qwen3-omni-30b-a3b-lora-r8-ep8", lora_params,
+           dict(distributed_optimizer=True, dp_size=8, bucket_size=40_000_000))
+    yield ("dense-101m-fp32-distopt-dp6", leanstep.model_params("dense_100m"),
+           dict(distributed_optimizer=True, dp_size=6, bucket_size=40_000_000))
+
+
+def bench_grad(results, args):
+    import megatron.core.optimizer.clip_grads as clip_grads
+
+    init_process_group()
+    meg_norm = clip_grads.get_grad_norm_fp32
+    meg_clip = clip_grads.clip_grad_by_total_norm_fp32
+    gen = torch.Generator().manual_seed(1)
+    reps, secs = (3, 0.05) if args.quick else (7, 0.4)
+    for case, params, options in grad_layouts(args.quick):
+        buffers, grads, _ = leanstep.ddp_grad_buffers(params, **options)
+        for b in buffers:
+            b.uniform_(-1, 1, generator=gen)
+        plan = leanstep.GradPlan(grads)
+        nbytes = plan.touched_bytes
+        print(f"{case}: {plan.num_tensors} grads, {nbytes / 2**20:.1f} MiB, "
+              f"{plan.num_regions} regions", file=sys.stderr)
+        norm, found_inf = plan.norm()
+        max_norm = float(norm.item()) * (1 - 1e-6)  # every clip multiplies by just under 1
+        # Parameters for torch.nn.utils.clip_grad_norm_: zero-stride stand-ins
+        # (no memory) whose .grad are the buffer views.
+        tparams = []
+        for g in grads:
+            p = torch.nn.Parameter(torch.zeros(1).expand(g.shape), requires_grad=True)
+            p.grad = g
+            tparams.append(p)
+        mparams = [Param(g) for g in grads]
+
+        def torch_loop_norm():
+            norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
+            return torch.linalg.vector_norm(torch.stack(norms), 2.0).item()
+
+        def foreach_norm():
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0).item()
+
+        def flat_norm():
+            return torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(b, 2.0) for b in buffers]), 2.0).item()
+
+        coeff_t = torch.tensor(1 - 1e-6)
+
+        def loop_clip():
+            for g in grads:
+                g.mul_(coeff_t)
+
+        def foreach_clip():
+            torch._foreach_mul_(grads, coeff_t)
+
+        total = None
+
+        def meg_norm_call():
+            nonlocal total
+            with megatron_on_cpu():
+                total = meg_norm(grads)
+
+        def meg_clip_call():
+            with megatron_on_cpu():
+                meg_clip(mparams, max_norm, float(norm.item()))
+
+        def meg_norm_clip():
+            with megatron_on_cpu():
+                t = meg_norm(grads)
+                meg_clip(mparams, t * (1 - 1e-6), t)
+
+        lm.install(["get_grad_norm_fp32", "clip_grad_by_total_norm_fp32"])
+        patched_norm = clip_grads.get_grad_norm_fp32
+        patched_clip = clip_grads.clip_grad_by_total_norm_fp32
+        lm.uninstall()
+
+        def patched_norm_clip():
+            t = patched_norm(grads)
+            patched_clip(mparams, t * (1 - 1e-6), t)
+
+        ops = [
+            ("norm", nbytes, "read", [
+                ("torch per-tensor loop", torch_loop_norm),
+                ("torch._foreach_norm", foreach_norm),
+                ("torch one norm of flat buffers", flat_norm),
+                ("megatron get_grad_norm_fp32", meg_norm_call),
+                ("leanstep GradPlan.norm", lambda: plan.norm()),
+                ("megatron patched by leanstep", lambda: patched_norm(grads)),
+            ]),
+            ("clip", 2 * nbytes, "inplace", [
+                ("torch per-tensor mul_", loop_clip),
+                ("torch._foreach_mul_", foreach_clip),
+                ("megatron clip_grad_by_total_norm", meg_clip_call),
+                ("leanstep GradPlan.clip_", lambda: plan.clip_(max_norm, norm)),
+                ("megatron patched by leanstep", lambda: patched_clip(mparams, max_norm,
+                                                                      float(norm.item()))),
+            ]),
+            ("norm_clip", 2 * nbytes, "copy", [
+                ("torch clip_grad_norm_ foreach=False",
+                 lambda: torch.nn.utils.clip_grad_norm_(tparams, max_norm, foreach=False)),
+                ("torch clip_grad_norm_ foreach=True",
+                 lambda: torch.nn.utils.clip_grad_norm_(tparams, max_norm, foreach=True)),
+                ("megatron norm + clip", meg_norm_clip),
+                ("leanstep GradPlan.norm_clip_", lambda: plan.norm_clip_(max_norm)),
+                ("megatron patched by leanstep", patched_norm_clip),
+            ]),
+        ]
+        for op, op_bytes, access, variants in ops:
+            for variant, fn in variants:
+                ms = time_it(fn, reps, secs)
+                results.add("grad", case, op, variant, ms, op_bytes, access)
+        del buffers, grads, plan, tparams, mparams
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+
+class HFRMSNorm(torch.nn.Module):
+    """The Hugging Face Llama/Qwen3 RMSNorm composite."""
+
+    def __init__(self, hidden, eps=1e-6, dtype=torch.float32):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden, dtype=dtype))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def bench_rmsnorm(results, args):
+    reps, secs = (3, 0.05) if args.quick else (7, 0.4)
+    cases = [(8192, 2048, torch.float32), (8192, 2048, torch.bfloat16),
+             (4096, 5120, torch.float32), (4096, 5120, torch.bfloat16)]
+    gen = torch.Generator().manual_seed(2)
+    for rows, hidden, dtype in cases:
+        case = f"{rows}x{hidden}_{'fp32' if dtype == torch.float32 else 'bf16'}"
+        es = torch.finfo(dtype).bits // 8
+        n = rows * hidden
+        act, weight_b, stats = es * n, es * hidden, 4 * rows
+        fwd_bytes = act + weight_b + act + stats
+        fwd_bwd_bytes = fwd_bytes + (act + act + stats + weight_b + act)
+        x = torch.randn(rows, hidden, generator=gen).to(dtype)
+        dy = torch.randn(rows, hidden, generator=gen).to(dtype)
+        w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+        hf = HFRMSNorm(hidden, dtype=dtype)
+        tn = torch.nn.RMSNorm(hidden, eps=1e-6, dtype=dtype)
+        ln = lt.RMSNorm(hidden, eps=1e-6, dtype=dtype)
+        for m in (hf, tn, ln):
+            with torch.no_grad():
+                m.weight.copy_(w)
+            m.weight.requires_grad_(False)  # frozen (LoRA)
+        modules = [("HF composite (cast then scale)", hf),
+                   ("torch.nn.functional.rms_norm", tn),
+                   ("leanstep.torch.RMSNorm frozen", ln)]
+        for variant, m in modules:
+            def fwd(m=m):
+                with torch.no_grad():
+                    m(x)
+            results.add("rmsnorm", case, "forward", variant, time_it(fwd, reps, secs), fwd_bytes,
+                        "copy")
+        xg = x.clone().requires_grad_()
+        for variant, m in modules:
+            def fwd_bwd(m=m):
+                xg.grad = None
+                m(xg).backward(dy)
+            results.add("rmsnorm", case, "fwd_bwd_frozen", variant, time_it(fwd_bwd, reps, secs),
+                        fwd_bwd_bytes, "copy")
+        assert ln.last_decision["path"] == "frozen_fused", ln.last_decision
+
+
+# ---------------------------------------------------------------- MoE
+
+
+def bench_moe(results, args):
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    reps, secs = (3, 0.05) if args.quick else (7, 0.4)
+    T, E, k, H = 4096, 128, 8, 2048
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(T, E, generator=gen)
+    routing_map, probs, _ = leanstep.moe_route(logits, k)
+    N = int(routing_map.sum())
+    for dtype in (torch.float32, torch.bfloat16):
+        case = f"T{T}_E{E}_k{k}_H{H}_{'fp32' if dtype == torch.float32 else 'bf16'}"
+        es = torch.finfo(dtype).bits // 8
+        token_b, slot_b = es * T * H, es * N * H
+        permute_bytes = token_b + T * E + 4 * T * E + slot_b + 8 * N + 4 * N
+        unpermute_bytes = slot_b + 8 * N + 4 * N + token_b
+        tokens = torch.randn(T, H, generator=gen).to(dtype)
+        with torch.no_grad():
+            permuted, pprobs, idx = leanstep.moe_permute(tokens, routing_map, probs)
+            variants = [
+                ("megatron moe_utils.permute",
+                 lambda: moe_utils.permute(tokens, routing_map, probs)),
+                ("leanstep moe_permute (fused)",
+                 lambda: leanstep.moe_permute(tokens, routing_map, probs)),
+            ]
+            for variant, fn in variants:
+                results.add("moe", case, "permute", variant, time_it(fn, reps, secs), permute_bytes,
+                            "copy")
+            variants = [
+                ("megatron moe_utils.unpermute",
+                 lambda: moe_utils.unpermute(permuted, idx, (T, H), probs=probs,
+                                             routing_map=routing_map)),
+                ("leanstep moe_unpermute (fused)",
+                 lambda: leanstep.moe_unpermute(permuted, idx, (T, H), probs=probs,
+                                                routing_map=routing_map)),
+            ]
+            for variant, fn in variants:
+                results.add("moe", case, "unpermute", variant, time_it(fn, reps, secs),
+                            unpermute_bytes, "copy")
+        del tokens, permuted
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--only", default="grad,rmsnorm,moe", help="comma-separated areas")
+    parser.add_argument("--json", action="store_true", help="JSON lines only (no table)")
+    args = parser.parse_args()
+    areas = [a for a in args.only.split(",") if a]
+    results = Results(args)
+    bw_bytes = (128 if args.quick else 256) << 20
+    for access in ("read", "inplace", "copy"):
+        results.floors[access] = leanstep.measure_bandwidth(access, bw_bytes)["gbps"]
+    print(f"bandwidth floors (GB/s, {leanstep.num_threads()} threads): "
+          + ", ".join(f"{a} {g:.1f}" for a, g in results.floors.items()), file=sys.stderr)
+    for area in areas:
+        if area not in leanstep.areas:
+            print(f"skipping {area}: not built into leanstep", file=sys.stderr)
+            continue
+        {"grad": bench_grad, "rmsnorm": bench_rmsnorm, "moe": bench_moe}[area](results, args)
+    if not args.json:
+        print(f"leanstep {leanstep.__version__} vs peers (torch {torch.__version__}, "
+              f"megatron-core {lm.report()['megatron_core_version']}); "
+              f"{leanstep.num_threads()} threads; floors GB/s: "
+              + ", ".join(f"{a} {g:.1f}" for a, g in results.floors.items()))
+        print("speedup = first variant of the op / this variant; x floor = median / "
+              "(bytes / bandwidth of the op's access pattern)\n")
+        print(results.table())
+        print()
+    for access, gbps in results.floors.items():
+        print(json.dumps({"bench": "peers", "case": "bandwidth", "op": access,
+                          "variant": "measured", "gbps": round(gbps, 3)}))
+    for row in results.rows:
+        print(json.dumps(row))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
