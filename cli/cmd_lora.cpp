@@ -202,6 +202,8 @@ void run_diff(const DiffArgs& args) {
     std::printf("identical: %lld ranks, same tensor names, shapes, dtypes and order\n", (long long)d.ranks_compared);
     return;
   }
+  std::printf("summary (kind: name pattern x count over all ranks):\n");
+  for (const std::string& line : d.summary) std::printf("  %s\n", line.c_str());
   std::printf("%lld differences on %lld of %lld ranks\n", (long long)d.count, (long long)d.ranks_differing,
               (long long)d.ranks_compared);
   throw CLI::RuntimeError(1);

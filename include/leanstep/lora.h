@@ -235,6 +235,9 @@ struct LayoutDiff {
   // Readable lines: per group of ranks with the same differences, a "rank (...)" head line,
   // then at most `max_lines_per_rank` indented differences (then one "... N more" line).
   std::vector<std::string> differences;
+  // One line per (kind, name pattern) over all ranks, layer and expert indices as '*':
+  // "only in B: decoder.layers.*.self_attention.linear_proj.lora_A.weight x 96".
+  std::vector<std::string> summary;
   int64_t count = 0;           // all differences found, printed or not
   int64_t ranks_compared = 0;  // ranks in either input
   int64_t ranks_differing = 0;

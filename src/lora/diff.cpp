@@ -3,6 +3,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cctype>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -32,6 +33,26 @@ int64_t rank_index(const json& rank, const char* key, std::string_view source, s
 
 std::string rank_label(const RankKey& k) {
   return fmt::format("rank (pp_stage {}, tp_rank {}, ep_rank {})", std::get<0>(k), std::get<1>(k), std::get<2>(k));
+}
+
+// "decoder.layers.12.mlp.experts.linear_fc1.lora_A.weight7" -> "decoder.layers.*.mlp.experts.linear_fc1.lora_A.weight*".
+std::string name_pattern(const std::string& name) {
+  std::string out;
+  size_t i = 0;
+  while (i < name.size()) {
+    bool at_number = std::isdigit(static_cast<unsigned char>(name[i])) &&
+                     (i == 0 || name[i - 1] == '.' || name.compare(i >= 6 ? i - 6 : 0, 6, "weight") == 0);
+    if (!at_number) {
+      out += name[i++];
+      continue;
+    }
+    size_t j = i;
+    while (j < name.size() && std::isdigit(static_cast<unsigned char>(name[j]))) ++j;
+    bool whole = j == name.size() || name[j] == '.';
+    out += whole ? "*" : name.substr(i, j - i);
+    i = j;
+  }
+  return out;
 }
 
 std::string shape_text(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
@@ -112,6 +133,9 @@ LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<Rank
 
   LayoutDiff diff;
   std::vector<std::pair<std::vector<RankKey>, std::vector<std::string>>> groups;
+  // Summary: (kind, name pattern) -> number of differences over all ranks.
+  std::map<std::pair<std::string, std::string>, int64_t> summary;
+  auto tally = [&](const std::string& kind, const std::string& name) { ++summary[{kind, name_pattern(name)}]; };
   diff.ranks_compared = static_cast<int64_t>(keys.size());
   for (const RankKey& key : keys) {
     std::vector<std::string> lines;
@@ -119,6 +143,7 @@ LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<Rank
     if (ita == ra.end() || itb == rb.end()) {
       bool in_a = ita != ra.end();
       const RankLayout& present = in_a ? *ita->second : *itb->second;
+      tally(fmt::format("rank missing in {}", in_a ? b_label : a_label), "(whole rank)");
       lines.push_back(fmt::format("missing in {} ({} has {} tensors)", in_a ? b_label : a_label,
                                   in_a ? a_label : b_label, present.layout.size()));
     } else {
@@ -131,6 +156,7 @@ LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<Rank
       // names only in A and a run only in B of the same length, shapes and dtypes are
       // renames; anything else is missing or extra.
       auto only_a_line = [&](const TensorSpec& t, std::string_view side) {
+        tally(fmt::format("only in {}", side), t.name);
         return fmt::format("tensor {} {} {} is in {} only", t.name, shape_text(t.shape), dtype_name(t.dtype),
                            side);
       };
@@ -143,9 +169,11 @@ LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<Rank
         for (size_t k = 0; renames && k < ea - ia; ++k)
           renames = la[ia + k].shape == lb[ib + k].shape && la[ia + k].dtype == lb[ib + k].dtype;
         if (renames) {
-          for (size_t k = 0; k < ea - ia; ++k)
+          for (size_t k = 0; k < ea - ia; ++k) {
+            tally(fmt::format("renamed ({} name)", a_label), la[ia + k].name);
             lines.push_back(fmt::format("renamed tensor {} -> {} ({} {})", la[ia + k].name, lb[ib + k].name,
                                         shape_text(la[ia + k].shape), dtype_name(la[ia + k].dtype)));
+          }
         } else {
           for (size_t k = ia; k < ea; ++k) lines.push_back(only_a_line(la[k], a_label));
           for (size_t k = ib; k < eb; ++k) lines.push_back(only_a_line(lb[k], b_label));
@@ -160,6 +188,8 @@ LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<Rank
         if (it == pos_b.end()) continue;
         common_a.push_back(t.name);
         const TensorSpec& u = lb[it->second];
+        if (t.shape != u.shape) tally("changed shape", t.name);
+        if (t.dtype != u.dtype) tally("changed dtype", t.name);
         if (t.shape != u.shape)
           lines.push_back(fmt::format("tensor {} changed shape {} -> {}", t.name, shape_text(t.shape),
                                       shape_text(u.shape)));
@@ -172,6 +202,7 @@ LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<Rank
         if (pos_a.count(t.name)) common_b.push_back(t.name);
       for (size_t i = 0; i < common_a.size(); ++i) {
         if (common_a[i] != common_b[i]) {
+          tally("registration order differs", "(rank)");
           lines.push_back(fmt::format("registration order differs: {} is followed by {} in {} but by {} in {}",
                                       i ? common_a[i - 1] : "(start)", common_a[i], a_label, common_b[i],
                                       b_label));
@@ -209,6 +240,8 @@ LayoutDiff diff_layouts(const std::vector<RankLayout>& a, const std::vector<Rank
       ++shown;
     }
   }
+  for (const auto& [key, n] : summary)
+    diff.summary.push_back(fmt::format("{}: {} x {}", key.first, key.second, n));
   return diff;
 }
 

@@ -335,7 +335,8 @@ std::string plan_to_json(const Plan& p) {
     for (const TensorSpec& t : p.stages[s].layout) {
       if (!first) text += ",";
       first = false;
-      text += json{{"name", t.name}, {"shape", t.shape}, {"dtype", dtype_name(t.dtype)}}.dump();
+      // ordered_json keeps the documented key order {name, shape, dtype}.
+      text += nlohmann::ordered_json{{"name", t.name}, {"shape", t.shape}, {"dtype", dtype_name(t.dtype)}}.dump();
     }
     text += "]";
   }

@@ -638,6 +638,9 @@ TEST(LoraDiff, IdenticalPlansAndEquivalentTargetLists) {
             "rank (pp_stage 0, tp_rank 0, ep_rank 0) and 3 more ranks with the same differences: (0, 0, 1) (0, 1, 0) (0, 1, 1):");
   EXPECT_EQ(de.count, 4 * 3 * 5 * 2);  // per rank: 3 linear layers x 5 projections x (A, B) in a only
   EXPECT_TRUE(mentions(de, "decoder.layers.0.self_attention.in_proj_qkv.lora_A.weight [2, 32] bfloat16 is in a only"));
+  // 3 linear-attention layers x 4 ranks per tensor name pattern.
+  ASSERT_EQ(de.summary.size(), 10u);
+  EXPECT_EQ(de.summary[0], "only in a: decoder.layers.*.self_attention.in_proj_a.lora_A.weight x 12");
 }
 
 TEST(LoraDiff, FindsRenameShapeDtypeOrderAndMissingRank) {
@@ -694,6 +697,10 @@ TEST(LoraDiff, FindsRenameShapeDtypeOrderAndMissingRank) {
   EXPECT_EQ(d.count, static_cast<int64_t>(a["ranks"][0]["layout"].size()));
   EXPECT_EQ(d.differences.size(), 7u);  // head, 5 lines, "... and N more"
   EXPECT_TRUE(mentions(d, "more differences"));
+  EXPECT_EQ(d.summary.back(), "changed dtype: decoder.layers.*.self_attention.linear_qkv.lora_B.weight x 4");
+  bool experts = false;
+  for (const auto& l : d.summary) experts |= l == "changed dtype: decoder.layers.*.mlp.experts.linear_fc1.lora_A.weight* x 2";
+  EXPECT_TRUE(experts);
 }
 
 TEST(LoraDiff, FrameworkDumpFormat) {
