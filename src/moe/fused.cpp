@@ -31,6 +31,7 @@ namespace {
 
 constexpr int64_t kTokenChunk = 256;  // tokens per counting chunk
 constexpr int64_t kRowChunk = 16;     // output rows per reduce chunk
+constexpr int64_t kBlock = 512;       // columns reduced at a time (2 KiB of fp32 accumulators)
 // Outputs at least this large are written with non-temporal stores: they do not fit in
 // the cache anyway, and streaming skips reading the destination lines first.
 constexpr int64_t kStreamBytes = int64_t{16} << 20;
@@ -59,6 +60,16 @@ inline void copy_row(char* dst, const char* src, size_t bytes, bool stream) {
 #endif
   (void)stream;
   std::memcpy(dst, src, bytes);
+}
+
+// Prefetches the block after [src, src + bytes) of the same source row (hardware
+// prefetchers stop at page boundaries; the k rows of a token live in different pages).
+inline void prefetch_ahead(const char* src, size_t bytes, const char* row_end) {
+#if defined(__SSE2__)
+  const char* next = src + bytes;
+  const char* stop = std::min(next + bytes, row_end);
+  for (const char* q = next; q < stop; q += 64) _mm_prefetch(q, _MM_HINT_T0);
+#endif
 }
 
 // Orders the streamed stores before the parallel region ends.
@@ -172,28 +183,41 @@ void unpermute_fused(const UnpermuteProblem& p) {
     }
   }
 
+  // Per token, the row is reduced in blocks of kBlock columns; within a block the token's
+  // slots are added in increasing slot order (the reference's order for every element),
+  // so its k source rows are read side by side, which keeps several memory streams going.
   const size_t elem = dtype_size(p.dtype);
   const bool is_f32 = p.dtype == DType::kFloat32;
+  const bool stream = T * H * static_cast<int64_t>(elem) >= kStreamBytes;
   parallel_chunks(T, kRowChunk, [&](int64_t, int64_t begin, int64_t end) {
-    std::vector<float> acc(static_cast<size_t>(H)), row(is_f32 ? 0 : static_cast<size_t>(H));
+    alignas(64) float acc[kBlock];
+    alignas(64) float row[kBlock];
+    alignas(64) char cast[kBlock * 4];
     for (int64_t t = begin; t < end; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);  // +0, as the reference's accumulators
-      for (int64_t s = token_start[static_cast<size_t>(t)]; s < token_start[static_cast<size_t>(t + 1)]; ++s) {
-        const int64_t i = token_slots[static_cast<size_t>(s)];
-        const char* src = p.permuted + static_cast<size_t>(i * H) * elem;
-        const float* x;
-        if (is_f32) {
-          x = reinterpret_cast<const float*>(src);
-        } else {
-          convert_to_f32(src, p.dtype, row.data(), H);
-          x = row.data();
+      const int64_t first = token_start[static_cast<size_t>(t)], last = token_start[static_cast<size_t>(t + 1)];
+      char* out_row = p.out + static_cast<size_t>(t * H) * elem;
+      for (int64_t h0 = 0; h0 < H; h0 += kBlock) {
+        const int64_t width = std::min(kBlock, H - h0);
+        std::fill(acc, acc + width, 0.0f);  // +0, as the reference's accumulators
+        for (int64_t s = first; s < last; ++s) {
+          const int64_t i = token_slots[static_cast<size_t>(s)];
+          const char* src = p.permuted + static_cast<size_t>(i * H + h0) * elem;
+          const float* x;
+          if (is_f32) {
+            x = reinterpret_cast<const float*>(src);
+          } else {
+            convert_to_f32(src, p.dtype, row, width);
+            x = row;
+          }
+          prefetch_ahead(src, static_cast<size_t>(width) * elem, p.permuted + static_cast<size_t>((i + 1) * H) * elem);
+          const float prob = p.slot_probs ? p.slot_probs[i] : 1.0f;
+          for (int64_t h = 0; h < width; ++h) acc[h] += x[h] * prob;
         }
-        const float prob = p.slot_probs ? p.slot_probs[i] : 1.0f;
-        float* a = acc.data();
-        for (int64_t h = 0; h < H; ++h) a[h] += x[h] * prob;
+        convert_from_f32(acc, cast, p.dtype, width);
+        copy_row(out_row + static_cast<size_t>(h0) * elem, cast, static_cast<size_t>(width) * elem, stream);
       }
-      convert_from_f32(acc.data(), p.out + static_cast<size_t>(t * H) * elem, p.dtype, H);
     }
+    if (stream) stream_fence();
   });
 }
 
