@@ -196,7 +196,7 @@ Kernels<T> reference_kernels() {
       for (int64_t j = 0; j < h; ++j) dtokens[sorted[i] * h + j] += dpermuted[i * h + j];
   };
   k.unpermute_backward = [](const T* dout, const T* permuted, const int64_t* sorted, const T* probs,
-                            int64_t nout, int64_t h, T* dpermuted, T* dprobs) {
+                            int64_t nout, int64_t h, int64_t /*ntok*/, T* dpermuted, T* dprobs) {
     for (int64_t i = 0; i < nout; ++i) {
       const T* d = dout + sorted[i] * h;
       T dot = 0;
@@ -516,7 +516,7 @@ void Model<T>::layer_backward(int64_t l, LayerCache& c, T* dx) {
 
   // ---- MoE (dx is d(x_out); the residual passes it to x_mid unchanged)
   std::vector<T> dye(static_cast<size_t>(nout * h)), dprobs(static_cast<size_t>(nout));
-  kernels_.unpermute_backward(dx, c.ye.data(), c.sorted.data(), c.permuted_probs.data(), nout, h, dye.data(),
+  kernels_.unpermute_backward(dx, c.ye.data(), c.sorted.data(), c.permuted_probs.data(), nout, h, n, dye.data(),
                               dprobs.data());
   std::vector<T> dact(static_cast<size_t>(nout * f)), dgu(static_cast<size_t>(nout * 2 * f)),
       dperm(static_cast<size_t>(nout * h));

@@ -122,7 +122,7 @@ struct Kernels {
   // Backward of unpermute with probs: dpermuted[i] = dout[sorted[i]] * probs[i],
   // dprobs[i] = dot(dout[sorted[i]], permuted[i]).
   std::function<void(const T* dout, const T* permuted, const int64_t* sorted, const T* probs, int64_t nout,
-                     int64_t h, T* dpermuted, T* dprobs)>
+                     int64_t h, int64_t ntok, T* dpermuted, T* dprobs)>
       unpermute_backward;
 };
 

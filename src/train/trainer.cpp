@@ -77,8 +77,7 @@ Kernels<float> dispatched_kernels() {
                               Tensor(dtokens, DType::kFloat32, {ntok, h}));
   };
   k.unpermute_backward = [](const float* dout, const float* permuted, const int64_t* sorted, const float* probs,
-                            int64_t nout, int64_t h, float* dpermuted, float* dprobs) {
-    const int64_t ntok = nout == 0 ? 0 : *std::max_element(sorted, sorted + nout) + 1;
+                            int64_t nout, int64_t h, int64_t ntok, float* dpermuted, float* dprobs) {
     const Tensor probs_t(const_cast<float*>(probs), DType::kFloat32, {nout});
     const Tensor dprobs_t(dprobs, DType::kFloat32, {nout});
     ops::moe_unpermute_backward(Tensor(const_cast<float*>(dout), DType::kFloat32, {ntok, h}),

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "leanstep/comm.h"
+#include "leanstep/dispatch.h"
 #include "leanstep/train.h"
 #include "test_util.h"
 
@@ -189,6 +190,35 @@ TEST(Train, PresetsSwitchBetweenSteps) {
     EXPECT_TRUE(std::isfinite(t.step().loss));
   }
   EXPECT_THROW(t.set_preset("no_such_op"), Error);
+}
+
+// The step really goes through the dispatch layer: under "baseline" every op
+// the step uses runs its reference, under "all" its fast implementation.
+TEST(Train, PresetChoosesTheImplementations) {
+  Config c = small_config();
+  const std::vector<std::string> used = {"rmsnorm.forward", "rmsnorm.backward", "moe.permute",
+                                         "moe.unpermute",   "moe.permute_backward", "moe.unpermute_backward",
+                                         "grad.norm",       "grad.clip"};
+  auto calls = [&](const std::string& op_name, bool reference) {
+    uint64_t n = 0;
+    for (const auto& op : dispatch::registry().report())
+      if (op.name == op_name)
+        for (const auto& st : op.stats)
+          if ((st.name == op.reference) == reference) n += st.calls;
+    return n;
+  };
+  for (const char* preset : {"baseline", "all"}) {
+    TrainerOptions o;
+    o.preset = preset;
+    Trainer t(c, o);
+    dispatch::registry().reset_stats();
+    t.step();
+    const bool base = std::string(preset) == "baseline";
+    for (const auto& op : used) {
+      EXPECT_GT(calls(op, base), 0u) << op << " under " << preset;
+      EXPECT_EQ(calls(op, !base), 0u) << op << " under " << preset;
+    }
+  }
 }
 
 // A power-of-two loss scale is exact in fp32: the scaled backward and the
