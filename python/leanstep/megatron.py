@@ -149,7 +149,7 @@ class _PlanCache:
     def get(self, grads):
         from ._grad import GradPlan
 
-        key = tuple((g.data_ptr(), g.dtype, tuple(g.shape), tuple(g.stride())) for g in grads)
+        key = tuple([(g.data_ptr(), g.dtype, g.shape, g.stride()) for g in grads])
         with self._lock:
             plan = self._plans.get(key)
             if plan is not None:
@@ -244,7 +244,6 @@ def _make_clip_grad_by_total_norm_fp32(original):
             _count("clip_grad_by_total_norm_fp32", reason)
             return original(params, max_norm, total_norm, use_decoupled_grad)
         _count("clip_grad_by_total_norm_fp32")
-        grads = [g.detach() for g in grads]
         if not grads:
             return None
         plan = _plans.get(grads)
@@ -292,7 +291,7 @@ def _make_count_zeros_fp32(original):
             _count("count_zeros_fp32", reason)
             return original(params, grad_stats_parallel_group, use_decoupled_grad, tp_group)
         _count("count_zeros_fp32")
-        count = _plans.get([g.detach() for g in selected]).count_zeros()
+        count = _plans.get(selected).count_zeros()
         # The original accumulates into an fp32 tensor and SUM-reduces it.
         total = count.to(torch.float32)
         if _dist_ready():

@@ -41,8 +41,8 @@ class _RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, eps, zero_centered_gamma, rounding, context):
         y = torch.empty_like(x)
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        _leanstep.rmsnorm_forward_routed(x, weight, y, rstd, eps, zero_centered_gamma, rounding,
-                                         **context)
+        _leanstep.rmsnorm_forward_routed(x.detach(), weight.detach(), y, rstd, eps,
+                                         zero_centered_gamma, rounding, **context)
         ctx.save_for_backward(x, weight, rstd)
         ctx.zero_centered_gamma = zero_centered_gamma
         ctx.context = context
@@ -55,7 +55,8 @@ class _RMSNormFunction(torch.autograd.Function):
         dx = torch.empty_like(x)
         dweight = torch.empty_like(weight) if need_weight_grad else None
         context = dict(ctx.context, weight_requires_grad=need_weight_grad)
-        _leanstep.rmsnorm_backward_routed(dy.contiguous(), x, rstd, weight, dx, dweight, 0.0,
+        _leanstep.rmsnorm_backward_routed(dy.detach().contiguous(), x.detach(), rstd,
+                                          weight.detach(), dx, dweight, 0.0,
                                           ctx.zero_centered_gamma, **context)
         return dx, dweight, None, None, None, None
 

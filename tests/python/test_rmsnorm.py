@@ -233,6 +233,7 @@ def test_module_frozen_path_skips_weight_grad_and_records_stats(torch_gen):
     assert stats["forward_general"] == 0 and x.grad is not None
 
 
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 def test_module_delegates_features_to_torch(torch_gen):
     ref, ours = make_pair(48, torch.float32, torch_gen)
     ours.weight.requires_grad_(False)
