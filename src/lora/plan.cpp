@@ -166,6 +166,15 @@ Plan plan(const ModelConfig& config, const PlanOptions& options) {
   p.local_experts = config.num_experts / par.ep;
   p.all_modules = enumerate_modules(config);
 
+  // Megatron splits attention by heads: TP must divide the query heads and the KV groups.
+  bool has_attention = std::any_of(config.layers.begin(), config.layers.end(),
+                                   [](const LayerSpec& l) { return l.attention == AttentionKind::kFull; });
+  if (has_attention) {
+    LEANSTEP_CHECK_ARG(config.num_attention_heads % par.tp == 0, kWhere, "tp",
+                       fmt::format("must divide num_attention_heads {} (got {})", config.num_attention_heads, par.tp));
+    LEANSTEP_CHECK_ARG(config.num_key_value_heads % par.tp == 0, kWhere, "tp",
+                       fmt::format("must divide num_key_value_heads {} (got {})", config.num_key_value_heads, par.tp));
+  }
   // TP must divide every split dimension of the base model (Megatron cannot build it otherwise).
   for (const Module& m : p.all_modules) {
     if (m.split == TensorSplit::kColumn && m.out_features % par.tp != 0)

@@ -29,20 +29,20 @@ json tiny_llama() {
           {"num_key_value_heads", 2}, {"intermediate_size", 96}};
 }
 
-// qwen3_moe: 4 layers; layer i is MoE when (i+1) % 2 == 0 and i not in mlp_only_layers [3]:
+// qwen3_moe: hidden 32, heads 2, kv 2, head_dim 8 (qkv 32 -> 48); 4 layers; layer i is MoE when (i+1) % 2 == 0 and i not in mlp_only_layers [3]:
 // only layer 1 is MoE; layers 0, 2, 3 are dense (intermediate_size 48).
 json tiny_moe() {
   return {{"model_type", "qwen3_moe"}, {"hidden_size", 32}, {"num_hidden_layers", 4}, {"num_attention_heads", 2},
-          {"num_key_value_heads", 1}, {"head_dim", 8}, {"intermediate_size", 48}, {"moe_intermediate_size", 16},
+          {"num_key_value_heads", 2}, {"head_dim", 8}, {"intermediate_size", 48}, {"moe_intermediate_size", 16},
           {"num_experts", 4}, {"decoder_sparse_step", 2}, {"mlp_only_layers", {3}}};
 }
 
-// qwen3_5_moe text config: hidden 32, 4 layers (linear x3, full), heads 2, kv 1, head_dim 8,
+// qwen3_5_moe text config: hidden 32, 4 layers (linear x3, full), heads 2, kv 2, head_dim 8,
 // Kh 2, Kd 4, Vh 4, Vd 4, 4 experts of 8, shared expert of 8.
 json tiny_qwen3_5_text() {
   return {{"hidden_size", 32}, {"num_hidden_layers", 4},
           {"layer_types", {"linear_attention", "linear_attention", "linear_attention", "full_attention"}},
-          {"num_attention_heads", 2}, {"num_key_value_heads", 1}, {"head_dim", 8}, {"attn_output_gate", true},
+          {"num_attention_heads", 2}, {"num_key_value_heads", 2}, {"head_dim", 8}, {"attn_output_gate", true},
           {"linear_num_key_heads", 2}, {"linear_key_head_dim", 4}, {"linear_num_value_heads", 4},
           {"linear_value_head_dim", 4}, {"num_experts", 4}, {"moe_intermediate_size", 8},
           {"shared_expert_intermediate_size", 8}};
@@ -219,15 +219,15 @@ TEST(LoraPlan, ExpertParallelLocalExperts) {
   EXPECT_EQ(p.ranks[1].ep_rank, 1);
   EXPECT_EQ(p.local_experts, 2);
   const auto& st = p.stages[0];
-  // qkv: 4 layers * (A [2,32] + B [(2+2)*8/2 = 16, 2]) = 4 * 96 = 384; experts 2 * 128 = 256.
-  EXPECT_EQ(st.params, 384 + 256);
+  // qkv: 4 layers * (A [2,32] + B [(2+4)*8/2 = 24, 2]) = 4 * 112 = 448; experts 2 * 128 = 256.
+  EXPECT_EQ(st.params, 448 + 256);
   EXPECT_EQ(st.tensors, 8 + 4);
   EXPECT_NE(find_tensor(st, "decoder.layers.1.mlp.experts.linear_fc1.lora_B.weight1"), nullptr);
   EXPECT_EQ(find_tensor(st, "decoder.layers.1.mlp.experts.linear_fc1.lora_B.weight2"), nullptr);
   EXPECT_EQ(find_tensor(st, "decoder.layers.1.mlp.experts.linear_fc1.lora_B.weight1")->shape,
             (std::vector<int64_t>{32, 2}));
-  // Model-wide (unsplit, all 4 experts): qkv 4 layers * 2 * (32 + 32) = 512; experts 4 * 128 = 512.
-  EXPECT_EQ(p.total_params, 512 + 512);
+  // Model-wide (unsplit, all 4 experts): qkv 4 layers * 2 * (32 + 48) = 640; experts 4 * 128 = 512.
+  EXPECT_EQ(p.total_params, 640 + 512);
 }
 
 TEST(LoraPlan, ParallelSizeErrors) {
@@ -235,8 +235,15 @@ TEST(LoraPlan, ParallelSizeErrors) {
   EXPECT_LEANSTEP_ERROR(lora::plan(c, options({"all-linear"}, 2, {.ep = 3})), "argument 'ep' must divide num_experts 4");
   EXPECT_LEANSTEP_ERROR(lora::plan(c, options({"all-linear"}, 2, {.etp = 2})),
                         "expert tensor parallelism > 1 is not supported");
-  // qkv out (2 + 2) * 8 = 32: TP 3 does not divide it.
-  EXPECT_LEANSTEP_ERROR(lora::plan(c, options({"all-linear"}, 2, {.tp = 3})), "argument 'tp' must divide the output dim 32");
+  EXPECT_LEANSTEP_ERROR(lora::plan(c, options({"all-linear"}, 2, {.tp = 4})), "argument 'tp' must divide num_attention_heads 2");
+  json gqa = tiny_llama();  // 4 heads, 2 KV groups
+  EXPECT_LEANSTEP_ERROR(plan_of(gqa, options({"all-linear"}, 2, {.tp = 4})), "argument 'tp' must divide num_key_value_heads 2");
+  // Heads divide but the MLP does not: fc1 out 180 splits over 4, fc2 in 90 does not.
+  json mlp = tiny_llama();
+  mlp["num_key_value_heads"] = 4;
+  mlp["intermediate_size"] = 90;
+  EXPECT_LEANSTEP_ERROR(plan_of(mlp, options({"all-linear"}, 2, {.tp = 4})),
+                        "argument 'tp' must divide the input dim 90 of row-parallel decoder.layers.0.mlp.linear_fc2 (got 4)");
   EXPECT_LEANSTEP_ERROR(lora::plan(c, options({"all-linear"}, 2, {.pp = 3})), "argument 'pp' must divide num_hidden_layers 4");
   EXPECT_LEANSTEP_ERROR(lora::plan(c, options({"all-linear"}, 0)), "argument 'lora_rank' must be >= 1");
   EXPECT_LEANSTEP_ERROR(lora::plan(c, options({"all-linear"}, 2, {.tp = 0})), "argument 'tp' must be >= 1");
@@ -249,8 +256,12 @@ TEST(LoraPlan, ParallelSizeErrors) {
                         "must not exceed num_hidden_layers 4");
   EXPECT_LEANSTEP_ERROR(plan_of(tiny_llama(), options({"all-linear"}, 2, {.ep = 2})),
                         "argument 'ep' must be 1 for the dense model llama");
-  // Row-parallel input: proj in 4 * 16 = 64, fc2 in 96; TP 128 fails on the first split module.
-  EXPECT_LEANSTEP_ERROR(plan_of(tiny_llama(), options({"all-linear"}, 2, {.tp = 128})), "argument 'tp' must divide");
+  // A model without full attention (all Gated DeltaNet) has no head rule, only the split dims.
+  json gdn = tiny_qwen3_next();
+  gdn["full_attention_interval"] = 5;  // > 4 layers: no full-attention layer
+  // Shared expert fc1 out 16 splits over 16; fc2 in 8 does not.
+  EXPECT_LEANSTEP_ERROR(plan_of(gdn, options({"all-linear"}, 2, {.tp = 16})),
+                        "must divide the input dim 8 of row-parallel decoder.layers.0.mlp.shared_experts.linear_fc2");
 }
 
 // ---------------------------------------------------------------- hybrid, gate, shared experts
@@ -262,11 +273,11 @@ TEST(LoraPlan, Qwen3_5HybridLayersGateAndSharedExperts) {
   EXPECT_TRUE(c.attn_output_gate);
   // r = 2. Linear-attention layer: in_proj_qkv 32 -> 2*2*4 + 4*4 = 32: 128; in_proj_z 32 -> 16: 96;
   // in_proj_b 32 -> 4: 72; in_proj_a: 72; out_proj 16 -> 32: 96. Sum 464.
-  // Full layer (gated): linear_qkv 32 -> (2*2 + 2*1) * 8 = 48: 160; linear_proj 16 -> 32: 96. Sum 256.
+  // Full layer (gated): linear_qkv 32 -> (2*2 + 2*2) * 8 = 64: 192; linear_proj 16 -> 32: 96. Sum 288.
   // MoE (every layer): experts fc1 4 * 2 * (32 + 16) = 384, fc2 4 * 2 * (8 + 32) = 320,
   // shared fc1 2 * (32 + 16) = 96, shared fc2 2 * (8 + 32) = 80. Sum 880.
   lora::Plan p = lora::plan(c, options({"all-linear"}, 2));
-  EXPECT_EQ(p.stages[0].params, 3 * 464 + 256 + 4 * 880);
+  EXPECT_EQ(p.stages[0].params, 3 * 464 + 288 + 4 * 880);
   EXPECT_EQ(p.stages[0].modules, 3 * 5 + 2 + 4 * 4);
   EXPECT_EQ(p.stages[0].tensors, 2 * (3 * 5 + 2 + 4 * 2) + 4 * 2 * 2 * 4);
   const auto& st = p.stages[0];
@@ -279,15 +290,15 @@ TEST(LoraPlan, Qwen3_5HybridLayersGateAndSharedExperts) {
   EXPECT_EQ(st.layout[10].name, "decoder.layers.0.mlp.experts.linear_fc1.lora_A.weight0");
   EXPECT_EQ(st.layout[26].name, "decoder.layers.0.mlp.shared_experts.linear_fc1.lora_A.weight");
   EXPECT_EQ(find_tensor(st, "decoder.layers.3.self_attention.linear_qkv.lora_B.weight")->shape,
-            (std::vector<int64_t>{48, 2}));
+            (std::vector<int64_t>{64, 2}));
   EXPECT_EQ(find_tensor(st, "decoder.layers.0.self_attention.in_proj_b.lora_B.weight")->shape,
             (std::vector<int64_t>{4, 2}));
 
-  // Without the gate, q is not doubled: 32 -> (2 + 2) * 8 = 32: 2 * (32 + 32) = 128.
+  // Without the gate, q is not doubled: 32 -> (2 + 4) * 8 = 48: 2 * (32 + 48) = 160.
   json no_gate = tiny_qwen3_5();
   no_gate["text_config"]["attn_output_gate"] = false;
   lora::Plan g = plan_of(no_gate, options({"linear_qkv"}, 2));
-  EXPECT_EQ(g.stages[0].params, 128);
+  EXPECT_EQ(g.stages[0].params, 160);
 
   // TP 2: shared experts split (fc1 B [8, 2], fc2 A [2, 4]); Gated DeltaNet projections and
   // routed experts are not TP-split.
@@ -301,9 +312,9 @@ TEST(LoraPlan, Qwen3_5HybridLayersGateAndSharedExperts) {
             (std::vector<int64_t>{32, 2}));
   EXPECT_EQ(find_tensor(ts, "decoder.layers.0.mlp.experts.linear_fc1.lora_B.weight3")->shape,
             (std::vector<int64_t>{16, 2}));
-  // Saved per rank: qkv B 24*2 = 48 fewer... spelled out: shared fc1 B 16 -> 8 rows (-16 per layer),
-  // shared fc2 A 8 -> 4 cols (-8 per layer), linear_qkv B 48 -> 24 rows (-48), linear_proj A 16 -> 8 (-16).
-  EXPECT_EQ(ts.params, p.stages[0].params - 4 * (16 + 8) - 48 - 16);
+  // Saved per rank by the split: shared fc1 B 16 -> 8 rows (-16 per layer), shared fc2 A 8 -> 4
+  // columns (-8 per layer), linear_qkv B 64 -> 32 rows (-64), linear_proj A 16 -> 8 columns (-16).
+  EXPECT_EQ(ts.params, p.stages[0].params - 4 * (16 + 8) - 64 - 16);
 }
 
 TEST(LoraPlan, Qwen3NextIntervalAndFusedProjections) {
@@ -316,7 +327,7 @@ TEST(LoraPlan, Qwen3NextIntervalAndFusedProjections) {
   EXPECT_EQ(p.stages[0].params, 3 * (160 + 80 + 96));
   EXPECT_EQ(p.stages[0].modules, 9);
   lora::Plan all = lora::plan(c, options({"all-linear"}, 2));
-  EXPECT_EQ(all.stages[0].params, 3 * 336 + 256 + 4 * 880);
+  EXPECT_EQ(all.stages[0].params, 3 * 336 + 288 + 4 * 880);
   // The Qwen3.5 names do not exist in Qwen3-Next.
   EXPECT_LEANSTEP_ERROR(lora::plan(c, options({"in_proj_z"}, 2)), "'in_proj_z' matches no module of qwen3_next");
 }
@@ -330,9 +341,9 @@ TEST(LoraPlan, PipelineStagesEvenAndGiven) {
   EXPECT_EQ(p.stages[1].first_layer, 2);
   EXPECT_EQ(p.stages[1].num_layers, 2);
   EXPECT_EQ(p.stages[1].layout[0].name, "decoder.layers.2.self_attention.linear_qkv.lora_A.weight");
-  // 2 * (32 + 32) = 128 per layer.
-  EXPECT_EQ(p.stages[0].params, 256);
-  EXPECT_EQ(p.stages[1].params, 256);
+  // 2 * (32 + 48) = 160 per layer.
+  EXPECT_EQ(p.stages[0].params, 320);
+  EXPECT_EQ(p.stages[1].params, 320);
 
   lora::PlanOptions local = options({"linear_qkv"}, 2, {.pp = 2});
   local.numbering = lora::LayerNumbering::kLocal;
@@ -346,14 +357,14 @@ TEST(LoraPlan, PipelineStagesEvenAndGiven) {
   EXPECT_EQ(g.stages[1].num_layers, 1);
   EXPECT_EQ(g.stages[2].num_layers, 1);
   EXPECT_EQ(g.stages[2].first_layer, 3);
-  EXPECT_EQ(g.stages[2].params, 128);
+  EXPECT_EQ(g.stages[2].params, 160);
   // Only the first stage given: the other 3 stages split the remaining 3.
   lora::Plan f = lora::plan(c, options({"linear_qkv"}, 2, {.pp = 4, .first_stage_layers = 1}));
   for (const auto& st : f.stages) EXPECT_EQ(st.num_layers, 1);
   // An empty first stage is allowed (towers only).
   lora::Plan e = lora::plan(c, options({"linear_qkv"}, 2, {.pp = 2, .first_stage_layers = 0}));
   EXPECT_EQ(e.stages[0].params, 0);
-  EXPECT_EQ(e.stages[1].params, 4 * 128);
+  EXPECT_EQ(e.stages[1].params, 4 * 160);
   EXPECT_EQ(e.ranks.size(), 2u);
 }
 
@@ -524,7 +535,7 @@ TEST(LoraReal, ParallelismIsSelfConsistent) {
         for (const auto& am : st.adapted) s += am.module->grouped_experts ? am.params : 0;
         return s;
       };
-      for (Setting s : {Setting{1, 1, 2}, Setting{2, 2, 4}, Setting{1, 4, 8}, Setting{4, 1, 16}}) {
+      for (Setting s : {Setting{1, 1, 2}, Setting{2, 2, 4}, Setting{1, 4, 8}, Setting{2, 1, 16}}) {
         lora::Plan p = lora::plan(c, options({"all-linear", "all-router"}, 16, {.tp = s.tp, .pp = s.pp, .ep = s.ep}, scope));
         ASSERT_EQ(p.ranks.size(), static_cast<size_t>(s.tp * s.pp * s.ep));
         EXPECT_EQ(p.total_params, base.total_params);
@@ -591,13 +602,13 @@ TEST(LoraJson, PlanJsonHasTheContractKeys) {
     EXPECT_EQ(r["tp_rank"], static_cast<int64_t>(i / 2 % 2));
     EXPECT_EQ(r["ep_rank"], static_cast<int64_t>(i % 2));
   }
-  // Stage 1 (layers 2, 3): linear_qkv of layer 3 (48 -> 24 rows under TP 2) and 2 experts' fc2 per layer.
+  // Stage 1 (layers 2, 3): linear_qkv of layer 3 (64 -> 32 rows under TP 2) and 2 experts' fc2 per layer.
   const json& r1 = j["ranks"][4];
   EXPECT_EQ(r1["modules"], 3);
   EXPECT_EQ(r1["tensors"], 2 + 2 * 2 * 2);
-  // qkv: 2 * 32 + 24 * 2 = 112; experts fc2: 2 layers * 2 experts * 2 * (8 + 32) = 320.
-  EXPECT_EQ(r1["params"], 112 + 320);
-  EXPECT_EQ(r1["memory_bytes"], 16 * (112 + 320));
+  // qkv: 2 * 32 + 32 * 2 = 128; experts fc2: 2 layers * 2 experts * 2 * (8 + 32) = 320.
+  EXPECT_EQ(r1["params"], 128 + 320);
+  EXPECT_EQ(r1["memory_bytes"], 16 * (128 + 320));
   EXPECT_EQ(r1["layout"][0], (json{{"name", "decoder.layers.2.mlp.experts.linear_fc2.lora_A.weight0"},
                                   {"shape", {2, 8}},
                                   {"dtype", "bfloat16"}}));
@@ -663,7 +674,7 @@ TEST(LoraDiff, FindsRenameShapeDtypeOrderAndMissingRank) {
   reshaped["ranks"][0]["layout"][1]["shape"] = {16, 2};
   d = lora::diff_layouts(base, lora::read_rank_layouts(reshaped, "b"));
   EXPECT_EQ(d.count, 1);
-  EXPECT_TRUE(mentions(d, "linear_qkv.lora_B.weight changed shape [32, 2] -> [16, 2]"));
+  EXPECT_TRUE(mentions(d, "linear_qkv.lora_B.weight changed shape [48, 2] -> [16, 2]"));
 
   json retyped = a;
   retyped["ranks"][0]["layout"][2]["dtype"] = "float32";
