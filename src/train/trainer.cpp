@@ -374,6 +374,18 @@ double from_hex_double(const std::string& s) {
 
 void Trainer::save(const std::string& dir) const {
   const Impl& s = *impl_;
+  // Each rank updated only its shards of the Adam moments: gather them (zero
+  // what others own, SUM) so rank 0 writes the whole optimizer state.
+  auto gathered = [&](const Buffer& b) {
+    std::vector<float> full(static_cast<size_t>(s.lay.numel), 0.0f);
+    for (const auto& [lo_e, hi_e] : s.shard)
+      std::memcpy(full.data() + lo_e, b.data_as<float>() + lo_e, sizeof(float) * static_cast<size_t>(hi_e - lo_e));
+    if (s.world > 1)
+      for (const auto& bk : s.lay.buckets)
+        s.comm->allreduce(Tensor(full.data() + bk.begin, DType::kFloat32, {bk.end - bk.begin}), comm::ReduceOp::kSum);
+    return full;
+  };
+  const std::vector<float> exp_avg = gathered(s.exp_avg), exp_avg_sq = gathered(s.exp_avg_sq);
   std::string error;
   if (s.rank == 0) {
     try {
@@ -382,8 +394,8 @@ void Trainer::save(const std::string& dir) const {
       for (size_t i = 0; i < s.tensors.size(); ++i) {
         const auto& ti = s.tensors[i];
         out.push_back({ti.name, ti.shape, s.params.data_as<float>() + s.offsets[i]});
-        out.push_back({"optimizer.exp_avg." + ti.name, ti.shape, s.exp_avg.data_as<float>() + s.offsets[i]});
-        out.push_back({"optimizer.exp_avg_sq." + ti.name, ti.shape, s.exp_avg_sq.data_as<float>() + s.offsets[i]});
+        out.push_back({"optimizer.exp_avg." + ti.name, ti.shape, exp_avg.data() + s.offsets[i]});
+        out.push_back({"optimizer.exp_avg_sq." + ti.name, ti.shape, exp_avg_sq.data() + s.offsets[i]});
       }
       std::map<std::string, std::string> meta = {
           {"format", kFormat},

@@ -1,0 +1,11 @@
+# The data-parallel training test runs under mpirun with 2 ranks (its gtest
+# cases are also discovered as ordinary tests; run without mpirun they skip).
+if(MPI_FOUND AND TARGET test_train_mpi AND MPIEXEC_EXECUTABLE)
+  add_test(NAME train_mpi_2_ranks
+           COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} 2 --oversubscribe
+                   $<TARGET_FILE:test_train_mpi>)
+  set_tests_properties(train_mpi_2_ranks PROPERTIES
+    LABELS "train;mpi"
+    TIMEOUT 300
+    ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
+endif()
