@@ -267,7 +267,7 @@ std::string format_plan(const CrossoverPlan& plan) {
     out += line + "\n";
   }
   if (plan.warmup > 0)
-    out += fmt::format("warm-up steps [0-{}) run the condition of block 0; exclude {} step(s) after each transition in the analysis\n",
+    out += fmt::format("warm-up steps [0-{}) run the condition of block 0; the analysis excludes the first {} step(s) of every block\n",
                        plan.warmup, plan.exclude_after_transition);
   return out;
 }
@@ -555,8 +555,8 @@ json number_or_null(double v) { return std::isfinite(v) ? json(v) : json(nullptr
 
 std::string format_crossover(const CrossoverResult& r) {
   std::string out = fmt::format(
-      "crossover: {} runs, baseline '{}'; warm-up {} step(s) discarded, first {} step(s) after each block "
-      "transition excluded\n",
+      "crossover: {} runs, baseline '{}'; warm-up {} step(s) discarded; the first {} step(s) of every block "
+      "(transition steps) excluded\n",
       r.num_runs, r.baseline, r.warmup, r.exclude_after_transition);
   out += "step duration = max over ranks; ratios at the same step position, geometric mean over positions\n\n";
   size_t w = 9;

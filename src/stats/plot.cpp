@@ -136,7 +136,7 @@ void write_svg_figure(const std::string& path, const std::string& title, const s
   }
   if (any_light) {
     svg += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"14\" height=\"10\" fill=\"#E69F00\" fill-opacity=\"0.10\"/>\n", lx, ly - 9);
-    svg += fmt::format("<text x=\"{}\" y=\"{}\" font-size=\"12\" fill=\"#333\">excluded after transition</text>\n", lx + 19, ly);
+    svg += fmt::format("<text x=\"{}\" y=\"{}\" font-size=\"12\" fill=\"#333\">excluded at block start</text>\n", lx + 19, ly);
   }
 
   for (size_t pi = 0; pi < panels.size(); ++pi) {
@@ -327,10 +327,13 @@ void plot_crossover(const std::string& svg_path, const CrossoverResult& result) 
     }
     panel.boundaries = boundaries_of(s);
     if (result.warmup > 0) panel.shaded.emplace_back(0, static_cast<double>(result.warmup));
-    if (result.exclude_after_transition > 0)
+    // Excluded: the first K steps of every block, block 0 counted from the end of warm-up.
+    const double k = static_cast<double>(result.exclude_after_transition), w = static_cast<double>(result.warmup);
+    if (k > 0) {
+      panel.light.emplace_back(w, w + k);
       for (double b : panel.boundaries)
-        if (b >= static_cast<double>(result.warmup))
-          panel.light.emplace_back(b, b + static_cast<double>(result.exclude_after_transition));
+        if (b > w) panel.light.emplace_back(b, b + k);
+    }
     panels.push_back(std::move(panel));
   }
   std::string subtitle = fmt::format("baseline '{}'; ", result.baseline);

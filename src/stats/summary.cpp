@@ -341,7 +341,7 @@ std::string format_summary_table(const std::vector<RunSummary>& summaries) {
     std::string windows;
     for (size_t w = 0; w < r.windows.size(); ++w) {
       if (w) windows += " ";
-      windows += fmt::format("{:.2f}", r.windows[w] * 1e3);
+      windows += fmt::format("{:.4g}", r.windows[w] * 1e3);
     }
     rows.push_back({r.run, std::to_string(r.num_ranks), fmt::format("{}/{}", r.steps_used, r.steps_logged),
                     format_seconds(r.mean_s), format_seconds(r.median_s), format_seconds(r.min_s),

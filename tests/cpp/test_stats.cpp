@@ -385,7 +385,11 @@ TEST(StatsCompare, RecoversTenPercentUnderDriftAndNoise) {
   // noise ~sigma (the max of 2 ranks has a smaller spread), so the ratio's relative standard
   // error is below sigma * sqrt(2 / 200) = 0.002; 0.01 is 5 of those.
   EXPECT_NEAR(c.mean_change, -0.10, 0.01);
-  EXPECT_NEAR(c.median_change, -0.10, 0.012);
+  // The median is a poorer estimator under drift: the drift decides which steps sit in the
+  // middle and the 2% noise moves the median by a fraction of sigma; over 600 seeds the
+  // median ratio's spread was about 0.4%, so 0.025 (about 6 of those) cannot fail by chance
+  // yet is far below the 10% effect it checks.
+  EXPECT_NEAR(c.median_change, -0.10, 0.025);
   EXPECT_EQ(c.windows_improved, 5);  // each window: 10% gap vs ~0.5% noise in a window mean
 }
 
