@@ -47,7 +47,15 @@ std::vector<int64_t> element_offsets(const Tensor& view);
 
 // Value of x converted to fp32, multiplied by `scale` in fp32 and rounded once
 // to `dtype` (fp64 values are scaled in double). Returned as double (exact).
-double scale_round(double x, DType dtype, float scale);
+inline double scale_round(double x, DType dtype, float scale) {
+  switch (dtype) {
+    case DType::kFloat64: return x * static_cast<double>(scale);
+    case DType::kFloat32: return static_cast<double>(static_cast<float>(x) * scale);
+    case DType::kFloat16: return half_to_float(float_to_half(static_cast<float>(x) * scale));
+    case DType::kBFloat16: return bf16_to_float(float_to_bf16(static_cast<float>(x) * scale));
+    default: return x;
+  }
+}
 
 // The p-th power contribution of one value.
 inline double power_term(double v, NormKind kind, double p) {

@@ -23,16 +23,6 @@ Partial combine(const Partial& a, const Partial& b) {
   return r;
 }
 
-double scale_round(double x, DType dtype, float scale) {
-  switch (dtype) {
-    case DType::kFloat64: return x * static_cast<double>(scale);
-    case DType::kFloat32: return static_cast<double>(static_cast<float>(x) * scale);
-    case DType::kFloat16: return half_to_float(float_to_half(static_cast<float>(x) * scale));
-    case DType::kBFloat16: return bf16_to_float(float_to_bf16(static_cast<float>(x) * scale));
-    default: return x;
-  }
-}
-
 namespace {
 
 template <class OffsetOf>

@@ -34,6 +34,27 @@ std::vector<int64_t> offsets_if_strided(const Tensor& t) {
   return t.is_contiguous() ? std::vector<int64_t>{} : detail::element_offsets(t);
 }
 
+// The per-element work of one tensor chunk: check, optionally scale in place
+// (fp32 multiply, one rounding to the dtype), accumulate the norm term.
+template <class Get, class Put>
+void element_loop(int64_t begin, int64_t end, Get get, Put put, DType dtype, NormKind kind, double p, bool do_scale,
+                  float scale, Partial& out) {
+  for (int64_t e = begin; e < end; ++e) {
+    double v = get(e);
+    if (!std::isfinite(v)) out.nonfinite = true;
+    if (do_scale) {
+      v = detail::scale_round(v, dtype, scale);
+      put(e, v);
+    }
+    if (kind == NormKind::kInf) {
+      if (std::isnan(v)) out.nan = true;
+      else out.max = std::max(out.max, static_cast<float>(std::fabs(v)));
+    } else if (kind != NormKind::kNone) {
+      out.sum += detail::power_term(v, kind, p);
+    }
+  }
+}
+
 // One tensor's partial in one dispatch; optionally unscales first (in place).
 Partial tensor_pass(const Tensor& t, NormKind kind, double p, bool do_scale, float scale) {
   const auto offsets = offsets_if_strided(t);
@@ -41,22 +62,19 @@ Partial tensor_pass(const Tensor& t, NormKind kind, double p, bool do_scale, flo
   std::vector<Partial> partials(static_cast<size_t>(leanstep::detail::num_chunks(n, kChunk)));
   leanstep::detail::parallel_chunks(n, kChunk, [&](int64_t c, int64_t begin, int64_t end) {
     Partial& out = partials[static_cast<size_t>(c)];
-    for_each_offset(t, offsets, begin, end, [&](int64_t off) {
-      double v = load_as_double(t.data, t.dtype, off);
-      if (!std::isfinite(v)) out.nonfinite = true;
-      if (do_scale) {
-        v = detail::scale_round(v, t.dtype, scale);
-        store_from_double(t.data, t.dtype, off, v);
-      }
-      if (kind == NormKind::kInf) {
-        if (std::isnan(v)) out.nan = true;
-        else out.max = std::max(out.max, static_cast<float>(std::fabs(v)));
-      } else if (kind != NormKind::kNone) {
-        out.sum += detail::power_term(v, kind, p);
-      }
-    });
+    if (t.is_contiguous() && t.dtype == DType::kFloat32) {  // plain typed loop for the common case
+      float* x = t.data_as<float>();
+      element_loop(begin, end, [x](int64_t e) { return static_cast<double>(x[e]); },
+                   [x](int64_t e, double v) { x[e] = static_cast<float>(v); }, t.dtype, kind, p, do_scale, scale, out);
+    } else {
+      auto offset = [&](int64_t e) { return t.is_contiguous() ? e : offsets[static_cast<size_t>(e)]; };
+      element_loop(begin, end, [&](int64_t e) { return load_as_double(t.data, t.dtype, offset(e)); },
+                   [&](int64_t e, double v) { store_from_double(t.data, t.dtype, offset(e), v); }, t.dtype, kind, p,
+                   do_scale, scale, out);
+    }
   });
-  return leanstep::detail::tree_reduce(partials.data(), static_cast<int64_t>(partials.size()), Partial{}, detail::combine);
+  return leanstep::detail::tree_reduce(partials.data(), static_cast<int64_t>(partials.size()), Partial{},
+                                       detail::combine);
 }
 
 // The framework-style host read of one tensor's result.
