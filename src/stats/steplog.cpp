@@ -10,6 +10,7 @@
 #include <regex>
 #include <sstream>
 #include <tuple>
+#include <unordered_map>
 
 #include <nlohmann/json.hpp>
 
@@ -352,13 +353,31 @@ void write_records(const std::string& path, const std::vector<StepRecord>& recor
 }  // namespace
 
 void check_unique_records(const std::vector<StepRecord>& records) {
-  std::map<std::tuple<std::string, int, int64_t>, const StepRecord*> seen;
-  for (const auto& r : records) {
-    auto [it, inserted] = seen.emplace(std::make_tuple(r.run, r.rank, r.step), &r);
-    if (!inserted)
-      throw Error(fmt::format("step log: duplicate record for run '{}' rank {} step {} ({} and {})", r.run, r.rank,
-                              r.step, it->second->origin.empty() ? "?" : it->second->origin,
-                              r.origin.empty() ? "?" : r.origin));
+  // Runs interned to integers, then one sort of (run, rank, step, index): logs of large
+  // jobs hold millions of records, so no string comparisons per record.
+  std::unordered_map<std::string, uint32_t> run_id;
+  struct Key {
+    uint32_t run;
+    int rank;
+    int64_t step;
+    size_t index;
+  };
+  std::vector<Key> keys;
+  keys.reserve(records.size());
+  for (size_t i = 0; i < records.size(); ++i) {
+    const auto [it, _] = run_id.emplace(records[i].run, static_cast<uint32_t>(run_id.size()));
+    keys.push_back({it->second, records[i].rank, records[i].step, i});
+  }
+  std::sort(keys.begin(), keys.end(), [](const Key& a, const Key& b) {
+    return std::tie(a.run, a.rank, a.step, a.index) < std::tie(b.run, b.rank, b.step, b.index);
+  });
+  for (size_t i = 1; i < keys.size(); ++i) {
+    const Key &a = keys[i - 1], &b = keys[i];
+    if (a.run != b.run || a.rank != b.rank || a.step != b.step) continue;
+    const StepRecord &first = records[a.index], &second = records[b.index];
+    throw Error(fmt::format("step log: duplicate record for run '{}' rank {} step {} ({} and {})", first.run,
+                            first.rank, first.step, first.origin.empty() ? "?" : first.origin,
+                            second.origin.empty() ? "?" : second.origin));
   }
 }
 

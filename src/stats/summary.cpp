@@ -6,6 +6,7 @@
 #include <map>
 #include <numeric>
 #include <set>
+#include <unordered_map>
 
 #include <nlohmann/json.hpp>
 
@@ -75,7 +76,7 @@ std::string format_percent(double x) {
 std::vector<StepSeries> build_series(const std::vector<StepRecord>& records) {
   check_unique_records(records);
   std::vector<std::string> order;
-  std::map<std::string, std::vector<const StepRecord*>> by_run;
+  std::unordered_map<std::string, std::vector<const StepRecord*>> by_run;
   for (const auto& r : records) {
     auto& v = by_run[r.run];
     if (v.empty()) order.push_back(r.run);
@@ -339,9 +340,15 @@ std::string format_summary_table(const std::vector<RunSummary>& summaries) {
   for (const auto& r : summaries) max_windows = std::max(max_windows, r.windows.size());
   for (const auto& r : summaries) {
     std::string windows;
-    for (size_t w = 0; w < r.windows.size(); ++w) {
-      if (w) windows += " ";
-      windows += fmt::format("{:.4g}", r.windows[w] * 1e3);
+    if (r.windows.size() <= 8) {
+      for (size_t w = 0; w < r.windows.size(); ++w) {
+        if (w) windows += " ";
+        windows += fmt::format("{:.4g}", r.windows[w] * 1e3);
+      }
+    } else {
+      // Many windows: their range says whether the effect is stable (--json lists them all).
+      const auto [lo, hi] = std::minmax_element(r.windows.begin(), r.windows.end());
+      windows = fmt::format("{} windows {:.4g}..{:.4g}", r.windows.size(), *lo * 1e3, *hi * 1e3);
     }
     rows.push_back({r.run, std::to_string(r.num_ranks), fmt::format("{}/{}", r.steps_used, r.steps_logged),
                     format_seconds(r.mean_s), format_seconds(r.median_s), format_seconds(r.min_s),
