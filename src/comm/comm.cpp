@@ -84,6 +84,7 @@ class InProcessCommunicator final : public Communicator {
                                 "(rank {} has {}, rank {} has {})",
                                 rank_, inout.describe(), r, src.describe()));
       }
+      if (n == 0) continue;
       if (r == 0) std::memcpy(result.data(), src.data, inout.nbytes());
       else detail::combine_into(result.data(), src.data, inout.dtype, n, op);
     }
