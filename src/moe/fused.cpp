@@ -72,6 +72,13 @@ inline void prefetch_ahead(const char* src, size_t bytes, const char* row_end) {
 #endif
 }
 
+// Prefetches [begin, begin + bytes).
+inline void prefetch_span(const char* begin, size_t bytes) {
+#if defined(__SSE2__)
+  for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(begin + off, _MM_HINT_T0);
+#endif
+}
+
 // Orders the streamed stores before the parallel region ends.
 inline void stream_fence() {
 #if defined(__SSE2__)
@@ -196,6 +203,11 @@ void unpermute_fused(const UnpermuteProblem& p) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t first = token_start[static_cast<size_t>(t)], last = token_start[static_cast<size_t>(t + 1)];
       char* out_row = p.out + static_cast<size_t>(t * H) * elem;
+      // Start the next token's rows (their first block) while this one is reduced.
+      if (t + 1 < end)
+        for (int64_t s = last; s < token_start[static_cast<size_t>(t + 2)]; ++s)
+          prefetch_span(p.permuted + static_cast<size_t>(token_slots[static_cast<size_t>(s)] * H) * elem,
+                        static_cast<size_t>(std::min(kBlock, H)) * elem);
       for (int64_t h0 = 0; h0 < H; h0 += kBlock) {
         const int64_t width = std::min(kBlock, H - h0);
         std::fill(acc, acc + width, 0.0f);  // +0, as the reference's accumulators
