@@ -26,11 +26,13 @@ std::vector<float> effective_gamma(const Tensor& gamma, bool zero_centered);
 
 // Rows per chunk of the parallel loops: depends on H only (never on the thread
 // count), so the trainable dgamma's chunk partials and their reduction tree are
-// fixed for a given shape. About 256K elements per chunk keeps the partials small.
+// fixed for a given shape. About 256K elements per chunk, and at least 16 rows so
+// that for very wide rows the fp32 partials (one H-row per chunk) stay a few
+// percent of the activation traffic.
 inline int64_t rows_per_chunk(int64_t hidden) {
   const int64_t target = int64_t{1} << 18;
   const int64_t rows = target / hidden;
-  return rows < 1 ? 1 : rows;
+  return rows < 16 ? 16 : rows;
 }
 
 }  // namespace leanstep::rmsnorm::detail
