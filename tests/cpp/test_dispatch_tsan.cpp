@@ -68,7 +68,7 @@ TEST(DispatchThreads, InstallsAndPresetSwitchesRaceWithCalls) {
   // has made a minimum of calls, so the two really overlap on any machine.
   constexpr int kCallers = 3;
   constexpr int64_t kMinCallsPerThread = 5000;
-  constexpr int kRounds = 300;
+  constexpr int kRounds = 100;
   std::atomic<bool> mutator_done{false};
   std::atomic<bool> stop_reader{false};
   std::atomic<int64_t> illegal{0}, total_calls{0};
