@@ -148,6 +148,10 @@ struct TensorSpec {
   bool operator==(const TensorSpec&) const = default;
 };
 
+// True for the per-expert tensors of grouped expert modules ("….mlp.experts.….weight<i>"):
+// they are expert-parallel and go into the expert gradient buffer (layout::ParamSpec::is_expert).
+bool is_expert_tensor(std::string_view name);
+
 inline constexpr int64_t kOptimizerBytesPerParam = 16;  // fp32 grad + fp32 master + 2 fp32 Adam moments
 
 // One adapted module on a rank: its adapter shapes after the TP split.

@@ -60,6 +60,11 @@ int64_t TensorSpec::numel() const {
   return n;
 }
 
+bool is_expert_tensor(std::string_view name) {
+  // Routed experts only: ".mlp.experts." is not a substring of ".mlp.shared_experts.".
+  return name.find(".mlp.experts.") != std::string_view::npos;
+}
+
 const char* scope_name(Scope scope) { return scope == Scope::kAll ? "all" : "language"; }
 
 Scope scope_from_name(std::string_view name) {

@@ -226,6 +226,11 @@ TEST(LoraPlan, ExpertParallelLocalExperts) {
   EXPECT_EQ(find_tensor(st, "decoder.layers.1.mlp.experts.linear_fc1.lora_B.weight2"), nullptr);
   EXPECT_EQ(find_tensor(st, "decoder.layers.1.mlp.experts.linear_fc1.lora_B.weight1")->shape,
             (std::vector<int64_t>{32, 2}));
+  int64_t expert_tensors = 0;
+  for (const auto& t : st.layout) expert_tensors += lora::is_expert_tensor(t.name);
+  EXPECT_EQ(expert_tensors, 4);
+  EXPECT_FALSE(lora::is_expert_tensor("decoder.layers.0.mlp.shared_experts.linear_fc1.lora_A.weight"));
+  EXPECT_FALSE(lora::is_expert_tensor("decoder.layers.0.mlp.router.lora_A.weight"));
   // Model-wide (unsplit, all 4 experts): qkv 4 layers * 2 * (32 + 48) = 640; experts 4 * 128 = 512.
   EXPECT_EQ(p.total_params, 640 + 512);
 }
