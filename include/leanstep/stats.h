@@ -37,7 +37,7 @@ struct StepRecord {
 };
 
 // Reads step logs (".csv" -> CSV with a header line, anything else -> JSON Lines).
-// A directory stands for its *.jsonl, *.json and *.csv files (sorted by name).
+// A directory stands for its *.jsonl and *.csv files (sorted by name; not subdirectories).
 // Malformed lines throw Error("<file>:<line>: ..."); a duplicate (run, rank, step)
 // throws naming both places. Records missing `run` get the file's stem with a
 // trailing ".rankN" / "_rankN" / "-rankN" removed, so per-rank files of one run join.

@@ -418,10 +418,11 @@ std::vector<StepRecord> read_step_logs(const std::vector<std::string>& paths) {
       std::vector<std::string> inside;
       for (const auto& entry : fs::directory_iterator(p)) {
         const std::string ext = entry.path().extension().string();
-        if (entry.is_regular_file() && (ext == ".jsonl" || ext == ".json" || ext == ".csv"))
+        // Not ".json": a directory of logs often holds the plan or configs too.
+        if (entry.is_regular_file() && (ext == ".jsonl" || ext == ".csv"))
           inside.push_back(entry.path().string());
       }
-      if (inside.empty()) throw Error(fmt::format("step log: directory '{}' holds no .jsonl/.json/.csv logs", p));
+      if (inside.empty()) throw Error(fmt::format("step log: directory '{}' holds no .jsonl/.csv logs", p));
       std::sort(inside.begin(), inside.end());
       files.insert(files.end(), inside.begin(), inside.end());
     } else {
