@@ -39,20 +39,27 @@ std::vector<int64_t> offsets_if_strided(const Tensor& t) {
 template <class Get, class Put>
 void element_loop(int64_t begin, int64_t end, Get get, Put put, DType dtype, NormKind kind, double p, bool do_scale,
                   float scale, Partial& out) {
+  double sum = 0.0;
+  float max = out.max;
+  bool nan = false, nonfinite = false;
   for (int64_t e = begin; e < end; ++e) {
     double v = get(e);
-    if (!std::isfinite(v)) out.nonfinite = true;
+    if (!std::isfinite(v)) nonfinite = true;
     if (do_scale) {
       v = detail::scale_round(v, dtype, scale);
       put(e, v);
     }
     if (kind == NormKind::kInf) {
-      if (std::isnan(v)) out.nan = true;
-      else out.max = std::max(out.max, static_cast<float>(std::fabs(v)));
+      if (std::isnan(v)) nan = true;
+      else max = std::max(max, static_cast<float>(std::fabs(v)));
     } else if (kind != NormKind::kNone) {
-      out.sum += detail::power_term(v, kind, p);
+      sum += detail::power_term(v, kind, p);
     }
   }
+  out.sum += sum;
+  out.max = max;
+  out.nan = out.nan || nan;
+  out.nonfinite = out.nonfinite || nonfinite;
 }
 
 // One tensor's partial in one dispatch; optionally unscales first (in place).
