@@ -104,7 +104,7 @@ BenchLayout lora_layout(const GradBenchOptions& o) {
 BenchLayout dense_layout() {
   layout::LayoutOptions lo;
   lo.distributed_optimizer = true;
-  lo.dp_size = 6;  // bucket ends padded to lcm(6, 128) = 384 elements: gaps between buckets
+  lo.dp_size = 6;  // bucket ends padded to lcm(6, 128) = 384 elements
   lo.bucket_size = 40'000'000;
   return make_layout("dense-101m-fp32-distopt-dp6", "built-in GPT-style 101M (hidden 1024, 6 layers, vocab 25000)",
                      grad::models::dense_100m_params(), lo);

@@ -19,8 +19,8 @@ std::vector<layout::ParamSpec> qwen3_omni_lora_rank_params(int lora_rank = 8, in
 
 // A dense GPT-style model of ~101M parameters (vocab 25000, hidden 1024,
 // 6 layers, FFN 4096, biases, layernorms, tied output layer), registration
-// order. With the distributed optimizer at dp_size 6 (bucket ends padded to
-// lcm(6, 128) = 384 elements) its buckets are separated by padding gaps.
+// order (bf16 params, fp32 grads). The benchmark lays it out with the
+// distributed optimizer at dp_size 6 (bucket ends padded to lcm(6, 128) = 384).
 std::vector<layout::ParamSpec> dense_100m_params();
 
 }  // namespace leanstep::grad::models
