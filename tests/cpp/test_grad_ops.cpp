@@ -86,7 +86,9 @@ TEST(GradOps, NormMatchesFloat64OracleAndReference) {
       const double oracle = oracle_norm(g.list, p);
       EXPECT_LE(rel_diff(fused.get(), oracle), kNormTol);
       EXPECT_LE(rel_diff(ref.get(), oracle), kNormTol);
-      if (std::isinf(p)) EXPECT_EQ(fused.get(), ref.get());  // max is exact
+      if (std::isinf(p)) {
+        EXPECT_EQ(fused.get(), ref.get());  // max is exact
+      }
       EXPECT_EQ(flag.get(), 0.0);
       EXPECT_EQ(ref_flag.get(), 0.0);
     }
@@ -173,8 +175,11 @@ void expect_scaled_like_loop(const std::vector<Tensor>& list, const std::map<uin
       v = load_as_double(&tmp, dtype, 0);
     }
     const double got = load_as_double(reinterpret_cast<void*>(address), dtype, 0);
-    if (std::isnan(v)) EXPECT_TRUE(std::isnan(got));
-    else EXPECT_EQ(got, v) << "covered " << count << " times";
+    if (std::isnan(v)) {
+      EXPECT_TRUE(std::isnan(got));
+    } else {
+      EXPECT_EQ(got, v) << "covered " << count << " times";
+    }
     if (++checked > 5000) break;  // enough, keeps the test fast
   }
 }
