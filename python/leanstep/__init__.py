@@ -54,3 +54,8 @@ if "lora" in areas:
     from ._lora import __all__ as _lora_all
 
     __all__ += _lora_all
+if "stats" in areas:
+    from ._stats import *  # noqa: F401,F403
+    from ._stats import __all__ as _stats_all
+
+    __all__ += _stats_all

@@ -523,10 +523,12 @@ def _find_aliases(original, attr, home_module):
     for mod_name, mod in list(sys.modules.items()):
         if mod is None or mod is home_module:
             continue
-        namespace = getattr(mod, "__dict__", None)
-        if not isinstance(namespace, dict):
+        try:  # sys.modules may hold odd objects (lazy loaders, proxies)
+            namespace = vars(mod)
+            holds = isinstance(namespace, dict) and namespace.get(attr) is original
+        except Exception:  # noqa: BLE001
             continue
-        if namespace.get(attr) is original:
+        if holds:
             found.append((mod, mod_name))
     found.sort(key=lambda item: item[1])
     return found

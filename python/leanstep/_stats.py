@@ -1,0 +1,35 @@
+"""Step-time statistics over step logs (see docs/stats.md): the same results
+as ``leanstep steps summarize|compare`` and ``leanstep crossover analyze --json``."""
+
+import json
+import os
+
+from . import _leanstep
+
+__all__ = ["step_summaries", "compare_runs", "crossover_analysis"]
+
+
+def _paths(paths):
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    return [os.fspath(p) for p in paths]
+
+
+def step_summaries(paths, warmup=20, window=20):
+    """Per run: step duration = max over ranks; after warm-up: count, mean,
+    median, min, max, window means. Returns ``{"runs": [...]}``."""
+    return json.loads(_leanstep.stats_summarize_json(_paths(paths), int(warmup), int(window)))
+
+
+def compare_runs(old_paths, new_paths, warmup=20, window=20):
+    """Compares two runs (one each): timing changes and loss/grad-norm agreement."""
+    return json.loads(_leanstep.stats_compare_json(_paths(old_paths), _paths(new_paths),
+                                                   int(warmup), int(window)))
+
+
+def crossover_analysis(paths, plan=None, baseline="", warmup=None, resamples=2000, seed=7):
+    """Counterbalanced crossover analysis of step logs (paired same-position
+    ratios, bootstrap intervals)."""
+    return json.loads(_leanstep.stats_crossover_json(
+        _paths(paths), os.fspath(plan) if plan else "", baseline,
+        None if warmup is None else int(warmup), int(resamples), int(seed)))

@@ -1,0 +1,62 @@
+// Step-time statistics: run summaries, comparisons and crossover analysis of
+// step logs, returned as the JSON the `leanstep steps` / `crossover` commands print.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+#include <nlohmann/json.hpp>
+
+#include <leanstep/stats.h>
+
+#include "bindings.h"
+
+namespace leanstep::py {
+
+void bind_stats(nb::module_& m) {
+  m.def(
+      "stats_summarize_json",
+      [](const std::vector<std::string>& paths, int64_t warmup, int64_t window) {
+        nb::gil_scoped_release release;
+        const auto records = stats::read_step_logs(paths);
+        return stats::summaries_to_json(stats::summarize(records, warmup, window)).dump();
+      },
+      nb::arg("paths"), nb::arg("warmup") = 20, nb::arg("window") = 20);
+  m.def(
+      "stats_compare_json",
+      [](const std::vector<std::string>& old_paths, const std::vector<std::string>& new_paths,
+         int64_t warmup, int64_t window) {
+        nb::gil_scoped_release release;
+        const auto c = stats::compare(stats::read_step_logs(old_paths),
+                                      stats::read_step_logs(new_paths), warmup, window);
+        return stats::to_json(c).dump();
+      },
+      nb::arg("old_paths"), nb::arg("new_paths"), nb::arg("warmup") = 20, nb::arg("window") = 20);
+  m.def(
+      "stats_crossover_json",
+      [](const std::vector<std::string>& paths, const std::string& plan_path,
+         const std::string& baseline, std::optional<int64_t> warmup, int resamples,
+         uint64_t seed) {
+        nb::gil_scoped_release release;
+        stats::CrossoverOptions options;
+        std::unique_ptr<stats::CrossoverPlan> plan;
+        if (!plan_path.empty()) {
+          plan = std::make_unique<stats::CrossoverPlan>(stats::read_plan(plan_path));
+          options.plan = plan.get();
+        }
+        options.baseline = baseline;
+        options.warmup = warmup;
+        options.bootstrap_resamples = resamples;
+        options.bootstrap_seed = seed;
+        return stats::to_json(stats::analyze_crossover(stats::read_step_logs(paths), options)).dump();
+      },
+      nb::arg("paths"), nb::arg("plan") = "", nb::arg("baseline") = "",
+      nb::arg("warmup").none() = nb::none(), nb::arg("resamples") = 2000, nb::arg("seed") = 7);
+}
+
+}  // namespace leanstep::py
