@@ -22,7 +22,7 @@ HWY_INLINE auto F32ToBF16Bits(DF df, hn::Vec<DF> v) {
   const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
   const auto rounded = hn::Add(bits, hn::Add(hn::Set(du, 0x7FFFu), lsb));
   const auto quiet_nan = hn::Or(bits, hn::Set(du, 0x00400000u));
-  const auto is_nan = hn::Ne(v, v);
+  const auto is_nan = hn::IsNaN(v);  // (Ne(v, v) is an ordered compare: false for NaN)
   const auto out = hn::IfThenElse(hn::RebindMask(du, is_nan), quiet_nan, rounded);
   return hn::ShiftRight<16>(out);  // u32 lanes holding the bf16 bits
 }

@@ -120,6 +120,15 @@ TEST(Core, BulkConversionsMatchScalar) {
   }
 }
 
+TEST(Core, BulkBF16KeepsNaNWithLowPayload) {
+  // NaNs whose payload sits only in the low 16 bits must not round to inf.
+  std::vector<float> src(64);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = bits_float((i % 2 ? 0xFF800000u : 0x7F800000u) | (1u + static_cast<uint32_t>(i)));
+  std::vector<uint16_t> out(src.size());
+  convert_from_f32(src.data(), out.data(), DType::kBFloat16, static_cast<int64_t>(src.size()));
+  for (size_t i = 0; i < src.size(); ++i) EXPECT_TRUE(std::isnan(bf16_to_float(out[i]))) << i;
+}
+
 TEST(Core, TensorViewBasics) {
   Buffer b(DType::kBFloat16, {3, 5});
   const Tensor& t = b.view();
