@@ -25,7 +25,6 @@
 //    serialised.
 #pragma once
 
-#include <atomic>
 #include <concepts>
 #include <cstdint>
 #include <map>

@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <set>
 
 #include "leanstep/dispatch.h"
