@@ -415,3 +415,16 @@ def test_wrapped_torch_norm_builds_a_leanstep_rmsnorm(patched, torch_gen):
     assert calls["leanstep"] == 1 and calls["delegated"] == {"not_rmsnorm": 1}
     lm.uninstall()
     assert type(torch_norm.WrappedTorchNorm(config=config, hidden_size=64)) is torch.nn.RMSNorm
+
+
+def test_norm_return_type_follows_the_installed_version():
+    # A version whose get_grad_norm_fp32 is annotated to return a tensor gets a
+    # tensor back (0.16 returns a float: tested above).
+    def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None) -> torch.Tensor:
+        raise AssertionError("not called for CPU grads")
+
+    replacement = lm._make_get_grad_norm_fp32(get_grad_norm_fp32)
+    out = replacement([torch.full((4,), 1.0), torch.full((5,), 0.0)])
+    assert isinstance(out, torch.Tensor) and out.item() == 2.0
+    out_inf = replacement([torch.tensor([-3.0, 1.0])], norm_type=math.inf)
+    assert isinstance(out_inf, torch.Tensor) and out_inf.item() == 3.0
