@@ -628,9 +628,9 @@ void Model<T>::layer_backward(int64_t l, LayerCache& c, T* dx) {
   std::vector<T> dqkv(static_cast<size_t>(n * qkv_dim));
   for (int64_t t = 0; t < n; ++t) {
     T* row = &dqkv[static_cast<size_t>(t * qkv_dim)];
-    std::copy(&dq_raw[static_cast<size_t>(t * qdim)], &dq_raw[static_cast<size_t>((t + 1) * qdim)], row);
-    std::copy(&dk_raw[static_cast<size_t>(t * kvdim)], &dk_raw[static_cast<size_t>((t + 1) * kvdim)], row + qdim);
-    std::copy(&dv[static_cast<size_t>(t * kvdim)], &dv[static_cast<size_t>((t + 1) * kvdim)], row + qdim + kvdim);
+    std::copy_n(dq_raw.data() + t * qdim, qdim, row);
+    std::copy_n(dk_raw.data() + t * kvdim, kvdim, row + qdim);
+    std::copy_n(dv.data() + t * kvdim, kvdim, row + qdim + kvdim);
   }
   std::vector<T> dh1(static_cast<size_t>(n * h));
   linear_backward(n, h, qkv_dim, c.h1.data(), W.qkv.data(), lora_of(S.qkv_a, S.qkv_b), c.qkv_mid.data(),
