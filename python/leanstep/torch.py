@@ -16,14 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from . import _leanstep
-from ._moe import (
-    moe_permute,
-    moe_permute_backward,
-    moe_permute_probs_backward,
-    moe_unpermute,
-    moe_unpermute_backward,
-    sort_chunks_by_idxs as _sort_chunks_by_idxs,
-)
+
+if "moe" in _leanstep.areas:
+    from ._moe import (
+        moe_permute,
+        moe_permute_backward,
+        moe_permute_probs_backward,
+        moe_unpermute,
+        moe_unpermute_backward,
+        sort_chunks_by_idxs as _sort_chunks_by_idxs,
+    )
 
 __all__ = ["RMSNorm", "rms_norm", "permute", "unpermute", "sort_chunks_by_idxs"]
 
@@ -153,6 +155,8 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def _unsupported(self, x):
         """Why leanstep cannot run this call at all (None if it can)."""
+        if "rmsnorm" not in _leanstep.areas:
+            return "rmsnorm_not_built"
         w = self.weight
         if w is None:
             return "no_weight"
