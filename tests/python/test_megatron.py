@@ -428,3 +428,44 @@ def test_norm_return_type_follows_the_installed_version():
     assert isinstance(out, torch.Tensor) and out.item() == 2.0
     out_inf = replacement([torch.tensor([-3.0, 1.0])], norm_type=math.inf)
     assert isinstance(out_inf, torch.Tensor) and out_inf.item() == 3.0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+def test_a_megatron_gpt_model_gets_leanstep_norms_with_the_same_checkpoint_layout(torch_gen):
+    import leanstep.torch as lt
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                   normalization="RMSNorm", use_cpu_initialization=True)
+
+        def build():
+            torch.manual_seed(0)
+            return GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"),
+                            vocab_size=128, max_sequence_length=32)
+
+        plain = build()
+        lm.install()
+        try:
+            fast = build()
+        finally:
+            lm.uninstall()
+        norms = [m for m in fast.modules() if isinstance(m, lt.RMSNorm)]
+        assert len(norms) == 5  # 2 layers x (input, pre-MLP) + final
+        assert not any(isinstance(m, lt.RMSNorm) for m in plain.modules())
+        # Same parameter names, shapes and values: checkpoints are interchangeable.
+        a, b = plain.state_dict(), fast.state_dict()
+        assert list(a) == list(b)
+        assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+        # LoRA-style: frozen norms take the frozen path.
+        for p in fast.parameters():
+            p.requires_grad_(False)
+        x = randn((16, 2, 64), torch.float32, torch_gen)
+        for m in norms:
+            m(x)
+        assert {m.last_decision["path"] for m in norms} == {"frozen_fused"}
+    finally:
+        parallel_state.destroy_model_parallel()
