@@ -9,23 +9,14 @@
 #define HWY_TARGET_INCLUDE "src/core/convert.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
+#include "src/core/bf16-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace leanstep::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// Round-to-nearest-even f32 -> bf16 bits, NaN quieted (never turned into inf).
-template <class DF>
-HWY_INLINE auto F32ToBF16Bits(DF df, hn::Vec<DF> v) {
-  const hn::RebindToUnsigned<DF> du;
-  const auto bits = hn::BitCast(du, v);
-  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
-  const auto rounded = hn::Add(bits, hn::Add(hn::Set(du, 0x7FFFu), lsb));
-  const auto quiet_nan = hn::Or(bits, hn::Set(du, 0x00400000u));
-  const auto is_nan = hn::IsNaN(v);  // (Ne(v, v) is an ordered compare: false for NaN)
-  const auto out = hn::IfThenElse(hn::RebindMask(du, is_nan), quiet_nan, rounded);
-  return hn::ShiftRight<16>(out);  // u32 lanes holding the bf16 bits
-}
+using leanstep::simd::HWY_NAMESPACE::LoadBF16;  // src/core/bf16-inl.h
+using leanstep::simd::HWY_NAMESPACE::StoreBF16;
 
 void ToF32(const void* src, int dtype, float* HWY_RESTRICT dst, int64_t n) {
   const hn::ScalableTag<float> df;
@@ -36,13 +27,8 @@ void ToF32(const void* src, int dtype, float* HWY_RESTRICT dst, int64_t n) {
       std::memcpy(dst, src, static_cast<size_t>(n) * 4);
       return;
     case DType::kBFloat16: {
-      const hn::Rebind<uint16_t, decltype(df)> du16;
-      const hn::Rebind<uint32_t, decltype(df)> du32;
       const auto* s = static_cast<const uint16_t*>(src);
-      for (; i + static_cast<int64_t>(N) <= n; i += N) {
-        const auto w = hn::PromoteTo(du32, hn::LoadU(du16, s + i));
-        hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(w)), df, dst + i);
-      }
+      for (; i + static_cast<int64_t>(N) <= n; i += N) hn::StoreU(LoadBF16(df, s + i), df, dst + i);
       for (; i < n; ++i) dst[i] = bf16_to_float(s[i]);
       return;
     }
@@ -70,12 +56,8 @@ void FromF32(const float* HWY_RESTRICT src, void* dst, int dtype, int64_t n) {
       std::memcpy(dst, src, static_cast<size_t>(n) * 4);
       return;
     case DType::kBFloat16: {
-      const hn::Rebind<uint16_t, decltype(df)> du16;
       auto* d = static_cast<uint16_t*>(dst);
-      for (; i + static_cast<int64_t>(N) <= n; i += N) {
-        const auto bits = F32ToBF16Bits(df, hn::LoadU(df, src + i));
-        hn::StoreU(hn::DemoteTo(du16, hn::BitCast(hn::RebindToSigned<decltype(df)>(), bits)), du16, d + i);
-      }
+      for (; i + static_cast<int64_t>(N) <= n; i += N) StoreBF16(df, hn::LoadU(df, src + i), d + i);
       for (; i < n; ++i) d[i] = float_to_bf16(src[i]);
       return;
     }

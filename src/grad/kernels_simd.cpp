@@ -13,6 +13,7 @@
 #define HWY_TARGET_INCLUDE "src/grad/kernels_simd.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
+#include "src/core/bf16-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace leanstep::grad::detail::HWY_NAMESPACE {
@@ -20,18 +21,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 #if HWY_TARGET != HWY_SCALAR
 
-// Round-to-nearest-even f32 -> bf16 bits, NaN quieted (as src/core/convert.cpp;
-// hwy::DemoteTo truncates in Highway 1.0.3).
-template <class DF>
-HWY_INLINE auto F32ToBF16Bits(DF, hn::Vec<DF> v) {
-  const hn::RebindToUnsigned<DF> du;
-  const auto bits = hn::BitCast(du, v);
-  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
-  const auto rounded = hn::Add(bits, hn::Add(hn::Set(du, 0x7FFFu), lsb));
-  const auto quiet_nan = hn::Or(bits, hn::Set(du, 0x00400000u));
-  const auto out = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), quiet_nan, rounded);
-  return hn::ShiftRight<16>(out);
-}
+using leanstep::simd::HWY_NAMESPACE::F32ToBF16Bits;  // src/core/bf16-inl.h
 
 // Element access per dtype: load N lanes as fp32, store fp32 lanes rounded once.
 struct F32Io {

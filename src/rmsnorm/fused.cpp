@@ -20,6 +20,7 @@
 #define HWY_TARGET_INCLUDE "src/rmsnorm/fused.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
+#include "src/core/bf16-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace leanstep::rmsnorm::HWY_NAMESPACE {
@@ -43,18 +44,7 @@ HWY_INLINE hn::Vec<DF> LoadF32(DF df, const void* base, int64_t i) {
   }
 }
 
-// Round-to-nearest-even f32 -> bf16 bits, NaN quieted (hwy::DemoteTo truncates
-// in Highway 1.0.3; this matches leanstep::float_to_bf16).
-template <class DF>
-HWY_INLINE auto F32ToBF16Bits(DF df, hn::Vec<DF> v) {
-  const hn::RebindToUnsigned<DF> du;
-  const auto bits = hn::BitCast(du, v);
-  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
-  const auto rounded = hn::Add(bits, hn::Add(hn::Set(du, 0x7FFFu), lsb));
-  const auto quiet_nan = hn::Or(bits, hn::Set(du, 0x00400000u));
-  const auto is_nan = hn::Ne(v, v);
-  return hn::ShiftRight<16>(hn::IfThenElse(hn::RebindMask(du, is_nan), quiet_nan, rounded));
-}
+using leanstep::simd::HWY_NAMESPACE::F32ToBF16Bits;  // src/core/bf16-inl.h
 
 template <DType kT, class DF>
 HWY_INLINE void StoreF32(DF df, hn::Vec<DF> v, void* base, int64_t i) {

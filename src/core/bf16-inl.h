@@ -1,0 +1,52 @@
+// Per-target SIMD helpers for bf16, shared by every Highway kernel file.
+// Include after "hwy/highway.h" in a file compiled through foreach_target.h;
+// the toggle guard below re-includes this header once per target.
+//
+// hwy::DemoteTo(f32 -> bf16) truncates in Highway 1.0.3 (Debian 12), so bf16
+// rounding is done here: round to nearest even, NaN kept as a quiet NaN (never
+// turned into inf), identical to the scalar leanstep::float_to_bf16.
+#if defined(LEANSTEP_CORE_BF16_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef LEANSTEP_CORE_BF16_INL_H_
+#undef LEANSTEP_CORE_BF16_INL_H_
+#else
+#define LEANSTEP_CORE_BF16_INL_H_
+#endif
+
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace leanstep::simd::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// f32 lanes -> u32 lanes holding the bf16 bits in their low half.
+template <class DF>
+HWY_INLINE auto F32ToBF16Bits(DF, hn::Vec<DF> v) {
+  const hn::RebindToUnsigned<DF> du;
+  const auto bits = hn::BitCast(du, v);
+  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
+  const auto rounded = hn::Add(bits, hn::Add(hn::Set(du, 0x7FFFu), lsb));
+  const auto quiet_nan = hn::Or(bits, hn::Set(du, 0x00400000u));
+  // IsNaN, not Ne(v, v): Highway compares are ordered, so NaN != NaN is false.
+  const auto out = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), quiet_nan, rounded);
+  return hn::ShiftRight<16>(out);
+}
+
+// Stores Lanes(df) f32 values as bf16 (rounded once) at dst.
+template <class DF>
+HWY_INLINE void StoreBF16(DF df, hn::Vec<DF> v, uint16_t* HWY_RESTRICT dst) {
+  const hn::Rebind<uint16_t, DF> du16;
+  hn::StoreU(hn::DemoteTo(du16, hn::BitCast(hn::RebindToSigned<DF>(), F32ToBF16Bits(df, v))), du16, dst);
+}
+
+// Loads Lanes(df) bf16 values from src, widened to f32 (exact).
+template <class DF>
+HWY_INLINE hn::Vec<DF> LoadBF16(DF df, const uint16_t* HWY_RESTRICT src) {
+  const hn::Rebind<uint16_t, DF> du16;
+  const hn::Rebind<uint32_t, DF> du32;
+  return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, src))));
+}
+
+}  // namespace leanstep::simd::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // LEANSTEP_CORE_BF16_INL_H_ toggle
