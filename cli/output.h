@@ -9,20 +9,12 @@
 #include <nlohmann/json.hpp>
 
 #include "core/bench.h"
+#include "core/table.h"
 
 namespace leanstep::cli {
 
-// A plain-text table; columns are right-aligned except the first.
-class Table {
- public:
-  explicit Table(std::vector<std::string> header) : header_(std::move(header)) {}
-  void add_row(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
-  void print(std::FILE* out = stdout) const;
-
- private:
-  std::vector<std::string> header_;
-  std::vector<std::vector<std::string>> rows_;
-};
+// Readable tables (defined in core so areas can format reports too).
+using Table = leanstep::TextTable;
 
 // Prints one JSON object on one line to stdout and flushes.
 void print_json_line(const nlohmann::json& obj);

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "leanstep/core.h"
+#include "core/table.h"
 #include "leanstep/stats.h"
 #include "stats/util.h"
 
@@ -280,31 +281,11 @@ Comparison compare(const std::vector<StepRecord>& old_records, const std::vector
 
 namespace {
 
-// A plain table: first column left-aligned, the others right-aligned.
-std::string render_table(const std::vector<std::string>& header, const std::vector<std::vector<std::string>>& rows) {
-  std::vector<size_t> width(header.size(), 0);
-  auto measure = [&](const std::vector<std::string>& row) {
-    for (size_t c = 0; c < row.size() && c < width.size(); ++c) width[c] = std::max(width[c], row[c].size());
-  };
-  measure(header);
-  for (const auto& r : rows) measure(r);
-  std::string out;
-  auto line = [&](const std::vector<std::string>& row) {
-    std::string s;
-    for (size_t c = 0; c < width.size(); ++c) {
-      const std::string cell = c < row.size() ? row[c] : "";
-      if (c) s += "  ";
-      s += c == 0 ? fmt::format("{:<{}}", cell, width[c]) : fmt::format("{:>{}}", cell, width[c]);
-    }
-    while (!s.empty() && s.back() == ' ') s.pop_back();
-    out += s + "\n";
-  };
-  line(header);
-  size_t total = 0;
-  for (size_t w : width) total += w;
-  out += std::string(total + 2 * (width.empty() ? 0 : width.size() - 1), '-') + "\n";
-  for (const auto& r : rows) line(r);
-  return out;
+// Renders rows under a header with the library's text table.
+std::string render_table(std::vector<std::string> header, const std::vector<std::vector<std::string>>& rows) {
+  TextTable table(std::move(header));
+  for (const auto& r : rows) table.add_row(r);
+  return table.render();
 }
 
 std::string finite_word(int64_t values, bool finite) {
