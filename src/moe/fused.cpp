@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "moe/accumulate.h"
 #include "moe/common.h"
 
 namespace leanstep::moe::detail {
@@ -194,11 +195,9 @@ void unpermute_fused(const UnpermuteProblem& p) {
   // slots are added in increasing slot order (the reference's order for every element),
   // so its k source rows are read side by side, which keeps several memory streams going.
   const size_t elem = dtype_size(p.dtype);
-  const bool is_f32 = p.dtype == DType::kFloat32;
   const bool stream = T * H * static_cast<int64_t>(elem) >= kStreamBytes;
   parallel_chunks(T, kRowChunk, [&](int64_t, int64_t begin, int64_t end) {
     alignas(64) float acc[kBlock];
-    alignas(64) float row[kBlock];
     alignas(64) char cast[kBlock * 4];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t first = token_start[static_cast<size_t>(t)], last = token_start[static_cast<size_t>(t + 1)];
@@ -214,16 +213,9 @@ void unpermute_fused(const UnpermuteProblem& p) {
         for (int64_t s = first; s < last; ++s) {
           const int64_t i = token_slots[static_cast<size_t>(s)];
           const char* src = p.permuted + static_cast<size_t>(i * H + h0) * elem;
-          const float* x;
-          if (is_f32) {
-            x = reinterpret_cast<const float*>(src);
-          } else {
-            convert_to_f32(src, p.dtype, row, width);
-            x = row;
-          }
           prefetch_ahead(src, static_cast<size_t>(width) * elem, p.permuted + static_cast<size_t>((i + 1) * H) * elem);
           const float prob = p.slot_probs ? p.slot_probs[i] : 1.0f;
-          for (int64_t h = 0; h < width; ++h) acc[h] += x[h] * prob;
+          accumulate_scaled(acc, src, p.dtype, prob, width);
         }
         convert_from_f32(acc, cast, p.dtype, width);
         copy_row(out_row + static_cast<size_t>(h0) * elem, cast, static_cast<size_t>(width) * elem, stream);
