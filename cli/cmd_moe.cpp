@@ -28,10 +28,7 @@ struct MoeBenchOptions {
   int64_t tokens = 4096, experts = 128, topk = 8, hidden = 2048;
 };
 
-struct Row {
-  std::string case_name, op, variant;
-  double median_ms, bytes;
-};
+using Row = BenchRow;
 
 void fill(const Tensor& t, uint64_t seed) {
   std::mt19937 rng(static_cast<uint32_t>(seed));
@@ -133,22 +130,7 @@ void run_moe_bench(const MoeBenchOptions& o) {
               copy_gbps, num_threads(), o.quick ? "128 MiB" : "256 MiB");
   std::printf("T=%lld E=%lld k=%lld H=%lld: %lld routed pairs\n\n", static_cast<long long>(T),
               static_cast<long long>(E), static_cast<long long>(k), static_cast<long long>(H), static_cast<long long>(N));
-  Table table({"case", "op", "variant", "median ms", "GB/s", "% of copy", "x floor", "vs sort"});
-  auto find = [&](const std::string& case_name, const std::string& op, const std::string& variant) -> const Row* {
-    for (const Row& r : rows)
-      if (r.case_name == case_name && r.op == op && r.variant == variant) return &r;
-    return nullptr;
-  };
-  for (const Row& r : rows) {
-    const double gbps = r.bytes / (r.median_ms * 1e-3) / 1e9;
-    const double floor_ms = r.bytes / (copy_gbps * 1e9) * 1e3;
-    const Row* ref = find(r.case_name, r.op, "sort");
-    const std::string speedup =
-        r.variant == "fused" && ref ? fmt::format("{:.1f}x faster", ref->median_ms / r.median_ms) : "";
-    table.add_row({r.case_name, r.op, r.variant, format_ms(r.median_ms), format_fixed(gbps, 1),
-                   format_fixed(100.0 * gbps / copy_gbps, 0) + "%", format_fixed(r.median_ms / floor_ms, 2), speedup});
-  }
-  table.print();
+  print_bench_table(rows, copy_gbps, "sort");
   std::printf("\ngoal: fused permute and unpermute within 1.5x of the floor\n");
   for (const Row& r : rows)
     if (r.variant == std::string("fused")) {

@@ -45,10 +45,7 @@ void fill(const Tensor& t, uint64_t seed, float mean, float scale) {
   convert_from_f32(buf.data(), t.data, t.dtype, t.numel());
 }
 
-struct Row {
-  std::string case_name, op, variant;
-  double median_ms, bytes;
-};
+using Row = BenchRow;
 
 // Median over `pairs` of t(a)/t(b), a and b timed back to back (ABAB...): on a
 // shared, noisy machine slow stretches hit both members of a pair alike, so the
@@ -159,27 +156,12 @@ void run_rmsnorm_bench(const RmsNormBenchOptions& o) {
 
   std::printf("copy bandwidth: %.1f GB/s (%d threads, %s buffers); floor = minimal bytes / copy bandwidth\n\n",
               copy_gbps, num_threads(), o.quick ? "128 MiB" : "256 MiB");
-  Table table({"case", "op", "variant", "median ms", "GB/s", "% of copy", "x floor", "vs reference"});
-  auto find = [&](const std::string& case_name, const std::string& op, const std::string& variant) -> const Row* {
-    for (const Row& r : rows)
-      if (r.case_name == case_name && r.op == op && r.variant == variant) return &r;
-    return nullptr;
-  };
-  for (const Row& r : rows) {
-    const double gbps = r.bytes / (r.median_ms * 1e-3) / 1e9;
-    const double floor_ms = r.bytes / (copy_gbps * 1e9) * 1e3;
-    const Row* ref = find(r.case_name, r.op, "reference");
-    const std::string speedup =
-        r.variant == "fused" && ref ? fmt::format("{:.1f}x faster", ref->median_ms / r.median_ms) : "";
-    table.add_row({r.case_name, r.op, r.variant, format_ms(r.median_ms), format_fixed(gbps, 1),
-                   format_fixed(100.0 * gbps / copy_gbps, 0) + "%", format_fixed(r.median_ms / floor_ms, 2), speedup});
-  }
-  table.print();
+  print_bench_table(rows, copy_gbps, "reference");
   std::printf("\ngoals (fused):\n");
   for (const BenchCase& c : cases) {
-    const Row* fb = find(c.name(), "fwd_bwd_frozen", "fused");
-    const Row* bf = find(c.name(), "backward_frozen", "fused");
-    const Row* bt = find(c.name(), "backward_trainable", "fused");
+    const Row* fb = find_bench_row(rows, c.name(), "fwd_bwd_frozen", "fused");
+    const Row* bf = find_bench_row(rows, c.name(), "backward_frozen", "fused");
+    const Row* bt = find_bench_row(rows, c.name(), "backward_trainable", "fused");
     if (!fb || !bf || !bt) continue;
     const double x_floor = fb->median_ms / (fb->bytes / (copy_gbps * 1e9) * 1e3);
     double ratio = 0;

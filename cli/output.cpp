@@ -41,6 +41,27 @@ void Progress::done() {
   std::fflush(stderr);
 }
 
+const BenchRow* find_bench_row(const std::vector<BenchRow>& rows, const std::string& case_name, const std::string& op,
+                               const std::string& variant) {
+  for (const BenchRow& r : rows)
+    if (r.case_name == case_name && r.op == op && r.variant == variant) return &r;
+  return nullptr;
+}
+
+void print_bench_table(const std::vector<BenchRow>& rows, double copy_gbps, const std::string& baseline_variant) {
+  Table table({"case", "op", "variant", "median ms", "GB/s", "% of copy", "x floor", "vs " + baseline_variant});
+  for (const BenchRow& r : rows) {
+    const double gbps = r.bytes / (r.median_ms * 1e-3) / 1e9;
+    const double floor_ms = r.bytes / (copy_gbps * 1e9) * 1e3;
+    const BenchRow* ref = find_bench_row(rows, r.case_name, r.op, baseline_variant);
+    const std::string speedup =
+        r.variant == "fused" && ref ? fmt::format("{:.1f}x faster", ref->median_ms / r.median_ms) : "";
+    table.add_row({r.case_name, r.op, r.variant, format_ms(r.median_ms), format_fixed(gbps, 1),
+                   format_fixed(100.0 * gbps / copy_gbps, 0) + "%", format_fixed(r.median_ms / floor_ms, 2), speedup});
+  }
+  table.print();
+}
+
 std::string format_ms(double ms) { return ms < 1 ? fmt::format("{:.4f}", ms) : fmt::format("{:.3f}", ms); }
 std::string format_fixed(double value, int decimals) { return fmt::format("{:.{}f}", value, decimals); }
 

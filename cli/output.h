@@ -42,6 +42,18 @@ class Progress {
   bool tty_;
 };
 
+// One timed benchmark row of a `leanstep bench <area>` run.
+struct BenchRow {
+  std::string case_name, op, variant;
+  double median_ms = 0, bytes = 0;
+};
+const BenchRow* find_bench_row(const std::vector<BenchRow>& rows, const std::string& case_name, const std::string& op,
+                               const std::string& variant);
+// The readable table of rows against the copy-bandwidth floor (floor = bytes / copy
+// bandwidth), with the "fused" rows' speedup over the `baseline_variant` row of the same
+// case and op.
+void print_bench_table(const std::vector<BenchRow>& rows, double copy_gbps, const std::string& baseline_variant);
+
 std::string format_ms(double ms);
 std::string format_fixed(double value, int decimals);
 
