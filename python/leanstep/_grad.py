@@ -7,9 +7,11 @@ the address-adjacent regions so one pass covers many tensors. Results are
 the framework of the grads; nothing is read back to the host.
 """
 
+import math
 import numbers
 
-from . import _leanstep
+from . import _backend, _leanstep
+from ._leanstep import Error
 from ._arrays import dtype_name, is_torch, torch_module, view, zeros
 
 __all__ = ["GradPlan", "multi_tensor_scale", "build_ddp_buffers", "ddp_grad_buffers", "model_params"]
@@ -40,19 +42,41 @@ class GradPlan:
     ``plan.clip_(max_norm, norm)``; ``plan.count_zeros()``.
 
     The plan keeps the grad arrays alive; it is valid as long as their memory
-    is (reuse it every step: that is what it is for). ``buffers`` optionally
-    declares the flat buffers every grad must lie in (checked). Results are
-    arrays of the grads' framework; ``like=`` (an array) chooses it when the
-    list is empty (default: NumPy)."""
+    is (reuse it every step: that is what it is for). Every operation checks,
+    cheaply, that no grad was re-pointed or resized since the plan was built
+    (``set_``, ``resize_``, a storage resized to 0): such a plan raises
+    instead of reading memory it no longer describes. ``buffers`` optionally
+    declares the flat buffers every grad must lie in (checked, CPU). Results
+    are arrays of the grads' framework and device; ``like=`` (an array)
+    chooses it when the list is empty (default: NumPy).
 
-    def __init__(self, grads, buffers=(), *, like=None):
+    ``backend``: ``None`` chooses from the grads' device (CPU tensors: the C++
+    kernels; any other torch device: the torch-op backend, which never reads
+    a device value on the host); ``"torch"`` forces the torch-op backend on
+    CPU tensors (tests, benchmarks)."""
+
+    def __init__(self, grads, buffers=(), *, like=None, backend=None):
         torch = torch_module()
         if torch is not None and isinstance(grads, torch.Tensor):
             grads = [grads]
         self._grads = [view(g) for g in grads]
         self._buffers = [view(b) for b in buffers]
-        self._core = _leanstep.GradPlanCore(self._grads, self._buffers)
         self._like = self._grads[0] if self._grads else like
+        self.backend = _backend.choose(self._grads + self._buffers, backend, "GradPlan",
+                                       [f"grads[{i}]" for i in range(len(self._grads))]
+                                       + [f"buffers[{i}]" for i in range(len(self._buffers))])
+        self._device = None
+        if self.backend == "torch":
+            from .backends.torch_grad import TorchGradPlan
+
+            device = self._grads[0].device if self._grads else (
+                like.device if is_torch(like) else torch.device("cpu"))
+            self._device = device
+            self._torch_plan = TorchGradPlan(self._grads, device)
+            self._core = self._torch_plan.core
+        else:
+            self._core = _leanstep.GradPlanCore(self._grads, self._buffers)
+        self._fingerprint = _fingerprint(self._grads) if is_torch(self._like) else None
 
     # -- what the plan found
     num_tensors = property(lambda self: self._core.num_tensors)
@@ -74,6 +98,27 @@ class GradPlan:
     def grads(self):
         return list(self._grads)
 
+    def is_current(self):
+        """Whether every grad still has the memory and size it had when the
+        plan was built (one C-level pass over the list)."""
+        if self._fingerprint is None:
+            return True
+        return _fingerprint(self._grads) == self._fingerprint
+
+    def _check_current(self, op):
+        if self._fingerprint is not None and _fingerprint(self._grads) != self._fingerprint:
+            raise Error(f"GradPlan.{op}: a grad was re-pointed or resized since the plan was "
+                        f"built (set_, resize_ or a resized storage); build a new GradPlan")
+
+    def _record(self, op):
+        _backend.record(f"grad.{op}", self.backend,
+                        self._device.type if self._device is not None else "cpu")
+
+    def _new_scalar(self, dtype):
+        if self.backend == "torch":
+            return self._torch_plan.scalar(getattr(torch_module(), dtype))
+        return _scalar(dtype, self._like)
+
     # -- operations
     def norm(self, norm_type=2.0, inv_scale=None, *, out=None, found_inf=None):
         """Returns ``(norm, found_inf)``, 1-element fp32 arrays. norm_type is 2,
@@ -82,9 +127,19 @@ class GradPlan:
         in the same pass, and the norm is that of the unscaled grads. found_inf
         is 1 if any grad element (before unscaling) is non-finite. A
         ``found_inf=`` array is OR-ed into, not zeroed (accumulate over plans)."""
-        out = _scalar("float32", self._like) if out is None else view(out)
-        found_inf = _scalar("float32", self._like) if found_inf is None else view(found_inf)
+        self._check_current("norm")
         norm_type = float(norm_type)
+        if not (norm_type > 0):
+            raise Error(f"GradPlan.norm: argument 'norm_type' must be > 0 or inf (got {norm_type})")
+        if isinstance(inv_scale, numbers.Real) and not math.isfinite(float(inv_scale)):
+            raise Error(f"GradPlan.norm: argument 'inv_scale' must be finite (got {inv_scale})")
+        found_inf = self._new_scalar("float32") if found_inf is None else view(found_inf)
+        self._record("unscale_norm" if inv_scale is not None else "norm")
+        if self.backend == "torch":
+            out = self._torch_plan.norm(norm_type, None if out is None else view(out), found_inf,
+                                        None if inv_scale is None else _maybe_view(inv_scale))
+            return out, found_inf
+        out = self._new_scalar("float32") if out is None else view(out)
         if inv_scale is None:
             self._core.norm(out, norm_type, found_inf)
         elif isinstance(inv_scale, numbers.Real):
@@ -98,39 +153,101 @@ class GradPlan:
         the coefficient computed from the array ``norm`` without a host read
         (a NaN norm gives NaN grads, as the frameworks do). Returns the
         coefficient (1-element fp32)."""
-        coeff = _scalar("float32", self._like) if coeff_out is None else view(coeff_out)
+        self._check_current("clip_")
+        self._record("clip")
+        if self.backend == "torch":
+            _check_max_norm(max_norm)
+            return self._torch_plan.clip(_maybe_view(norm), float(max_norm),
+                                         None if coeff_out is None else view(coeff_out))
+        coeff = self._new_scalar("float32") if coeff_out is None else view(coeff_out)
         self._core.clip(_as_scalar_array(norm, self._like, "norm"), float(max_norm), coeff)
         return coeff
 
     def norm_clip_(self, max_norm, norm_type=2.0):
         """norm then clip in place, the usual step: returns ``(norm, found_inf, coeff)``."""
-        out = _scalar("float32", self._like)
-        found_inf = _scalar("float32", self._like)
-        coeff = _scalar("float32", self._like)
+        if self.backend == "torch":
+            _check_max_norm(max_norm)
+            out, found_inf = self.norm(norm_type)
+            return out, found_inf, self.clip_(max_norm, out)
+        self._check_current("norm_clip_")
+        out = self._new_scalar("float32")
+        found_inf = self._new_scalar("float32")
+        coeff = self._new_scalar("float32")
+        self._record("norm_clip")
         self._core.norm_clip(float(max_norm), out, float(norm_type), found_inf, coeff)
         return out, found_inf, coeff
 
     def scale_(self, scale):
         """Every grad ``*= scale`` in place (fp32 math, one rounding)."""
+        self._check_current("scale_")
+        self._record("scale")
+        if self.backend == "torch":
+            self._torch_plan.scale(_maybe_view(scale))
+            return
         self._core.scale(_as_scalar_array(scale, self._like, "scale"))
 
     def count_zeros(self, *, out=None):
         """Sum over the grads of (numel - count_nonzero), a 1-element int64 array."""
-        out = _scalar("int64", self._like) if out is None else view(out)
+        self._check_current("count_zeros")
+        self._record("count_zeros")
+        if self.backend == "torch":
+            return self._torch_plan.count_zeros(None if out is None else view(out))
+        out = self._new_scalar("int64") if out is None else view(out)
         self._core.count_zeros(out)
         return out
 
 
-def multi_tensor_scale(src_list, dst_list, scale, *, found_inf=None):
+def _maybe_view(x):
+    return x if isinstance(x, numbers.Real) else view(x)
+
+
+def _check_max_norm(max_norm):
+    if not (isinstance(max_norm, numbers.Real) and float(max_norm) > 0 and math.isfinite(max_norm)):
+        raise Error(f"GradPlan.clip_: argument 'max_norm' must be a finite number > 0 "
+                    f"(got {max_norm!r})")
+
+
+def _fingerprint(grads):
+    """Addresses and sizes of the grads: what a re-pointed or resized grad
+    changes (a storage resized to 0 moves its address to null)."""
+    torch = torch_module()
+    if not grads or not isinstance(grads[0], torch.Tensor):
+        return None
+    return (tuple(map(torch.Tensor.data_ptr, grads)), tuple(map(torch.Tensor.numel, grads)))
+
+
+def multi_tensor_scale(src_list, dst_list, scale, *, found_inf=None, backend=None):
     """``dst[i] = cast(float(src[i]) * scale)`` for every pair (dtypes may
     differ: fp32 -> fp16/bf16, fp16 -> fp32, ...; the product is rounded once,
     so 1e5 * 0.01 into fp16 does not overflow). In place when dst is src.
     Returns found_inf (1-element fp32): 1 if any SOURCE element is non-finite.
-    A ``found_inf=`` array is OR-ed into, not zeroed."""
+    A ``found_inf=`` array is OR-ed into, not zeroed. ``backend`` as for
+    :class:`GradPlan`."""
     src = [view(s) for s in src_list]
     dst = [view(d) for d in dst_list]
+    if len(src) != len(dst):
+        raise Error(f"multi_tensor_scale: arguments 'src_list' and 'dst_list' must have the same "
+                    f"length (got {len(src)} and {len(dst)})")
     like = src[0] if src else (dst[0] if dst else None)
+    chosen = _backend.choose(src + dst, backend, "multi_tensor_scale",
+                             [f"src_list[{i}]" for i in range(len(src))]
+                             + [f"dst_list[{i}]" for i in range(len(dst))])
+    if chosen == "torch":
+        from .backends import torch_grad
+
+        torch = torch_module()
+        device = like.device if like is not None else torch.device("cpu")
+        for i, (s, d) in enumerate(zip(src, dst)):
+            if s.shape != d.shape:
+                raise Error(f"multi_tensor_scale: argument 'dst_list[{i}]' must have the shape of "
+                            f"src_list[{i}] (got {list(d.shape)} and {list(s.shape)})")
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device) if found_inf is None \
+            else view(found_inf)
+        _backend.record("grad.multi_tensor_scale", "torch", device.type)
+        torch_grad.multi_tensor_scale(src, dst, _maybe_view(scale), found_inf, device)
+        return found_inf
     found_inf = _scalar("float32", like) if found_inf is None else view(found_inf)
+    _backend.record("grad.multi_tensor_scale", "cpu", "cpu")
     if isinstance(scale, numbers.Real):
         _leanstep.grad_multi_tensor_scale(src, dst, float(scale), found_inf)
     else:
@@ -167,11 +284,12 @@ def model_params(model, lora_rank=8, expert_parallel=8):
     return _leanstep.grad_model_params(model, lora_rank, expert_parallel)
 
 
-def ddp_grad_buffers(params, framework="torch", **layout_options):
+def ddp_grad_buffers(params, framework="torch", *, device="cpu", **layout_options):
     """Allocates zeroed flat gradient buffers laid out as Megatron-Core's DDP
     does (see :func:`build_ddp_buffers`) and returns ``(buffers, grads,
     layouts)``: the flat buffers, every param's grad view (in registration
-    order over all buffers, as an optimizer lists them) and the layouts."""
+    order over all buffers, as an optimizer lists them) and the layouts.
+    ``device`` places torch buffers (``"meta"`` for shape-only tests)."""
     layouts = build_ddp_buffers(params, **layout_options)
     buffers, indexed = [], []
     for layout in layouts:
@@ -179,7 +297,7 @@ def ddp_grad_buffers(params, framework="torch", **layout_options):
         if framework == "torch":
             import torch
 
-            buf = torch.zeros(layout["numel"], dtype=getattr(torch, dtype))
+            buf = torch.zeros(layout["numel"], dtype=getattr(torch, dtype), device=device)
         else:
             import numpy as np
 

@@ -67,6 +67,40 @@ void bind_grad(nb::module_& m) {
             new (self) grad::Plan(views, buffers);
           },
           nb::arg("grads"), nb::arg("buffers") = std::vector<InArray>{})
+      .def_static(
+          "from_layout",
+          [](const std::vector<std::tuple<uintptr_t, std::string, std::vector<int64_t>,
+                                          std::vector<int64_t>>>& views) {
+            // The planner reads addresses, dtypes, shapes and strides only,
+            // never the memory: device tensors (or synthetic per-storage
+            // addresses, as the device backends pass) plan exactly as CPU ones.
+            std::vector<Tensor> tensors;
+            tensors.reserve(views.size());
+            for (size_t i = 0; i < views.size(); ++i) {
+              const auto& [address, dtype, shape, strides] = views[i];
+              const std::string arg = "views[" + std::to_string(i) + "]";
+              if (shape.size() != strides.size() || shape.size() > static_cast<size_t>(kMaxDims))
+                throw Error("grad::Plan.from_layout: argument '" + arg +
+                            "' must have as many strides as sizes, at most " +
+                            std::to_string(kMaxDims) + " dims (got " +
+                            std::to_string(shape.size()) + " sizes, " +
+                            std::to_string(strides.size()) + " strides)");
+              Tensor t;
+              t.data = reinterpret_cast<void*>(address);
+              t.dtype = dtype_from_name(dtype);
+              t.ndim = static_cast<int>(shape.size());
+              for (size_t d = 0; d < shape.size(); ++d) {
+                t.shape[d] = shape[d];
+                t.strides[d] = strides[d];
+              }
+              tensors.push_back(t);
+            }
+            nb::gil_scoped_release release;
+            return grad::Plan(tensors);
+          },
+          nb::arg("views"),
+          "A plan from (address, dtype, shape, strides) of each view, for memory the host "
+          "does not read (device tensors). Only the region and generic tables are used.")
       .def_prop_ro("num_tensors", &grad::Plan::num_tensors)
       .def_prop_ro("num_regions", &grad::Plan::num_regions)
       .def_prop_ro("num_generic", &grad::Plan::num_generic)

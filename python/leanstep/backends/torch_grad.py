@@ -1,0 +1,287 @@
+"""The gradient engine in PyTorch ops, for grads on any torch device.
+
+The C++ planner runs on metadata only: every grad is described by a
+synthetic address (a base per storage plus its byte offset), its dtype,
+shape and strides, so regions are found exactly as on the CPU (same
+coalescing, same multiplicity of duplicated and overlapping views, same
+generic list). Each region then becomes one flat view of its storage, and
+every operation is a handful of foreach ops over those views:
+
+- norm: ``_foreach_norm`` per view (accumulated in float64 where the device
+  has it), then one reduction; found_inf from the same values, never a host
+  comparison;
+- unscale + found_inf: ``_amp_foreach_non_finite_check_and_unscale_`` (reads
+  each value, flags non-finite inputs, writes the unscaled value: one pass),
+  then the norm pass;
+- clip: the coefficient ``clamp(max_norm / (norm + 1e-6), max=1)`` stays a
+  device tensor; ``_foreach_mul_`` scales in place (fp32 math, one rounding);
+- count_zeros: ``count_nonzero`` per view, summed in int64.
+
+A view covered by k listed grads is counted k times by norms and zero counts
+and scaled k times by in-place ops, as the CPU path does. No operation reads
+a device value on the host.
+"""
+
+import torch
+
+from .._leanstep import Error, GradPlanCore
+
+_STORAGE_SPACING_BITS = 44  # synthetic base of storage k: (k + 1) << 44 (16 TiB apart)
+_OFFSET_MASK = (1 << _STORAGE_SPACING_BITS) - 1
+_PLAN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def _has_float64(device):
+    return device.type != "mps"
+
+
+class _Group:
+    """Views with the same multiplicity (how many listed grads cover them)."""
+
+    def __init__(self, multiplicity):
+        self.multiplicity = multiplicity
+        self.views = []
+
+
+class TorchGradPlan:
+    """A plan over device grads: the C++ region table, realised as flat
+    views. Built once per grad list; every operation is sync-free."""
+
+    def __init__(self, grads, device, where="GradPlan"):
+        self.device = device
+        self.grads = grads
+        storages = {}  # storage identity -> (index, base grad per dtype)
+        layout = []
+        for i, g in enumerate(grads):
+            if g.dtype not in _PLAN_DTYPES:
+                raise Error(f"{where}: argument 'grads[{i}]' must be float32, float16, bfloat16 "
+                            f"or float64 (got {_dtype_name(g.dtype)})")
+            storage = g.untyped_storage()
+            key = storage._cdata
+            entry = storages.get(key)
+            if entry is None:
+                if storage.nbytes() > _OFFSET_MASK:
+                    raise Error(f"{where}: argument 'grads[{i}]' lies in a storage of "
+                                f"{storage.nbytes()} bytes, above the planner's 2^44-byte limit")
+                entry = storages[key] = (len(storages), {})
+            entry[1].setdefault(g.dtype, g)
+            address = ((entry[0] + 1) << _STORAGE_SPACING_BITS) + g.storage_offset() * g.element_size()
+            layout.append((address, _dtype_name(g.dtype), list(g.shape), list(g.stride())))
+        self.core = GradPlanCore.from_layout(layout)
+        by_index = {index: bases for index, bases in storages.values()}
+
+        groups = {}
+        for address, dtype_name, numel, multiplicity in self.core.regions:
+            storage_index = (address >> _STORAGE_SPACING_BITS) - 1
+            dtype = getattr(torch, dtype_name)
+            base = by_index[storage_index][dtype]
+            offset_bytes = address & _OFFSET_MASK
+            view = base.as_strided((numel,), (1,), offset_bytes // base.element_size())
+            groups.setdefault(multiplicity, _Group(multiplicity)).views.append(view)
+        self.generic = [grads[index] for index, _ in self.core.generic]
+        if self.generic:
+            groups.setdefault(1, _Group(1)).views.extend(self.generic)
+        self.groups = [groups[m] for m in sorted(groups)]
+        self.views = [v for grp in self.groups for v in grp.views]
+        # Per-view weight (multiplicity) for the norm's reduction, built once.
+        self.weighted = any(grp.multiplicity != 1 for grp in self.groups)
+        acc = torch.float64 if _has_float64(device) else torch.float32
+        self.acc_dtype = acc
+        self.weights = None
+        if self.weighted:
+            self.weights = torch.tensor([float(grp.multiplicity) for grp in self.groups
+                                         for _ in grp.views], dtype=acc, device=device)
+        self.has_float64_grads = any(v.dtype == torch.float64 for v in self.views)
+        self._max_norms = {}  # max_norm -> its fp32 device scalar (made once)
+        self.numel = sum(v.numel() * grp.multiplicity for grp in self.groups for v in grp.views)
+
+    # ---------------------------------------------------------------- helpers
+
+    def scalar(self, dtype=torch.float32, zeroed=True):
+        make = torch.zeros if zeroed else torch.empty
+        return make(1, dtype=dtype, device=self.device)
+
+    def _as_device_scalar(self, value, arg):
+        """A number or a 1-element fp32 tensor on the plan's device, as a 0-dim view."""
+        if isinstance(value, torch.Tensor):
+            self._check_device_scalar(value, arg)
+            return value if value.dim() == 0 else value.view(())
+        return torch.full((), float(value), dtype=torch.float32, device=self.device)
+
+    def _check_device_scalar(self, value, arg):
+        if value.numel() != 1 or value.dtype != torch.float32:
+            raise Error(f"GradPlan: argument '{arg}' must be a 1-element float32 tensor "
+                        f"(got {_dtype_name(value.dtype)}{list(value.shape)})")
+        if value.device != self.device:
+            raise Error(f"GradPlan: argument '{arg}' must be on the grads' device "
+                        f"{self.device} (got {value.device})")
+
+    def _view_norms(self, norm_type):
+        dtype = self.acc_dtype
+        if norm_type == float("inf") and not self.has_float64_grads:
+            dtype = torch.float32  # max |x| is exact in any dtype that holds x
+        return torch.stack(torch._foreach_norm(self.views, norm_type, dtype=dtype))
+
+    def _total(self, norm_type):
+        """The total norm in the accumulation dtype, shape [1]."""
+        norms = self._view_norms(norm_type)
+        if norm_type == float("inf"):
+            return norms.amax(0, keepdim=True)  # amax propagates NaN
+        if not self.weighted:
+            if norm_type == 2.0:
+                return torch.linalg.vector_norm(norms, keepdim=True)
+            return norms.pow(norm_type).sum(0, keepdim=True).pow(1.0 / norm_type)
+        return (norms.pow(norm_type) * self.weights).sum(0, keepdim=True).pow(1.0 / norm_type)
+
+    def _flag_into(self, value, found_inf):
+        """found_inf = max(found_inf, value is not finite), on device: value * 0
+        is 0 for every finite value and NaN for inf or NaN."""
+        torch.maximum(found_inf, value.mul(0.0).ne(0.0), out=found_inf)
+
+    def _scale_views(self, scale):
+        for grp in self.groups:
+            for _ in range(grp.multiplicity):
+                torch._foreach_mul_(grp.views, scale)
+
+    @staticmethod
+    def _result(total, out):
+        if out is None:
+            return total.to(torch.float32)
+        out.copy_(total)
+        return out
+
+    # ---------------------------------------------------------------- operations
+
+    def norm(self, norm_type, out, found_inf, inv_scale=None):
+        """Returns the total norm (fp32 [1], into `out` if given); found_inf
+        |= any non-finite input (before any unscaling). With inv_scale, the
+        grads are unscaled in place first."""
+        if not self.views:
+            return self._result(torch.zeros(1, dtype=torch.float32, device=self.device), out)
+        if inv_scale is not None:
+            inv = self._as_device_scalar(inv_scale, "inv_scale").reshape(1)
+            # Checks every value before scaling it, then writes it scaled:
+            # found_inf is OR-ed into (never reset), as the CPU path does.
+            for grp in self.groups:
+                for _ in range(grp.multiplicity):
+                    torch._amp_foreach_non_finite_check_and_unscale_(grp.views, found_inf, inv)
+            return self._result(self._total(norm_type), out)
+        total = self._total(norm_type)
+        if norm_type == float("inf") or (norm_type == 2.0 and self.acc_dtype == torch.float64
+                                         and not self.has_float64_grads):
+            # Exact: squares of finite fp32/fp16/bf16 values cannot overflow
+            # float64, and max |x| is finite iff every x is.
+            self._flag_into(total, found_inf)
+        else:
+            self._flag_into(self._view_norms(float("inf")).amax(0, keepdim=True), found_inf)
+        return self._result(total, out)
+
+    def clip(self, total_norm, max_norm, coeff_out):
+        """Scales every grad by clamp(max_norm / (norm + 1e-6), max=1) and
+        returns that coefficient (fp32 [1], into `coeff_out` if given); it
+        never leaves the device (a NaN norm gives NaN grads)."""
+        if isinstance(total_norm, torch.Tensor):
+            norm = total_norm
+            if norm.dim() != 1:
+                norm = self._as_device_scalar(total_norm, "norm").reshape(1)
+            else:
+                self._check_device_scalar(total_norm, "norm")
+        else:
+            norm = torch.full((1,), float(total_norm), dtype=torch.float32, device=self.device)
+        # fp32 max_norm / (norm + 1e-6) as ONE division (a reciprocal then a
+        # multiply would round twice), clamped on the device.
+        numerator = self._max_norms.get(max_norm)
+        if numerator is None:
+            numerator = self._max_norms[max_norm] = torch.full(
+                (), max_norm, dtype=torch.float32, device=self.device)
+        if coeff_out is None:
+            coeff = torch.div(numerator, norm.add(1.0e-6))
+        else:
+            coeff = torch.div(numerator, norm.add(1.0e-6), out=coeff_out)
+        coeff.clamp_(max=1.0)  # NaN stays NaN: the grads become NaN, never unclipped
+        if self.views:
+            self._scale_views(coeff.view(()))
+        return coeff
+
+    def scale(self, scale):
+        if self.views:
+            self._scale_views(self._as_device_scalar(scale, "scale"))
+
+    def count_zeros(self, out):
+        """Returns sum(numel - count_nonzero) as int64 [1] (into `out` if given)."""
+        if not self.views:
+            zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
+            return zeros if out is None else out.copy_(zeros)
+        counts = torch.stack([torch.count_nonzero(v) for v in self.views])
+        if self.weighted:
+            counts = counts * self.weights.to(torch.int64)
+        zeros = counts.sum(0, keepdim=True).neg_().add_(self.numel)
+        if out is None:
+            return zeros
+        out.copy_(zeros)
+        return out
+
+
+def multi_tensor_scale(src, dst, scale, found_inf, device):
+    """dst[i] = cast(float(src[i]) * scale); found_inf |= any non-finite source
+    element. Pairs run in list order; each pair reads its whole source before
+    writing (partial overlaps of a pair's source and destination are safe)."""
+    if not src:
+        return
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
+            raise Error(f"multi_tensor_scale: argument 'scale' must be a 1-element float32 tensor "
+                        f"on {device} (got {_dtype_name(scale.dtype)}{list(scale.shape)} on "
+                        f"{scale.device})")
+        scale = scale.reshape(())
+    else:
+        scale = torch.full((), float(scale), dtype=torch.float32, device=device)
+    if _pairs_share_memory(src, dst):
+        # As the CPU path: pairs that share memory run one after another, in
+        # list order, so a later pair reads what an earlier one wrote.
+        for s, d in zip(src, dst):
+            _scale_pairs([s], [d], scale, found_inf)
+        return
+    _scale_pairs(src, dst, scale, found_inf)
+
+
+def _scale_pairs(src, dst, scale, found_inf):
+    # Sources in fp32 (fp32 math, as the CPU path: fp64 sources are scaled in fp32 too).
+    staged = [s.to(torch.float32) if s.dtype != torch.float32 else s for s in src]
+    maxabs = torch.stack(torch._foreach_norm(staged, float("inf")))
+    torch.maximum(found_inf, maxabs.amax().mul(0.0).ne(0.0), out=found_inf)
+    products = torch._foreach_mul(staged, scale)  # every source read before any write
+    torch._foreach_copy_(dst, products)
+
+
+def _byte_range(t):
+    """(storage identity, first byte, end byte) a view can touch (host metadata)."""
+    if t.numel() == 0:
+        return None
+    begin = t.storage_offset()
+    end = begin + 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    es = t.element_size()
+    return t.untyped_storage()._cdata, begin * es, end * es
+
+
+def _pairs_share_memory(src, dst):
+    """Whether any pair touches memory that another pair touches too."""
+    spans = []
+    for pair, (s, d) in enumerate(zip(src, dst)):
+        for t in (s, d):
+            r = _byte_range(t)
+            if r is not None:
+                spans.append((r[0], r[1], r[2], pair))
+    spans.sort()
+    reach = {}  # storage -> (end of the furthest span so far, its pair)
+    for storage, begin, end, pair in spans:
+        far = reach.get(storage)
+        if far is not None and begin < far[0] and far[1] != pair:
+            return True
+        if far is None or end > far[0]:
+            reach[storage] = (end, pair)
+    return False
