@@ -59,3 +59,11 @@ if "stats" in areas:
     from ._stats import __all__ as _stats_all
 
     __all__ += _stats_all
+
+
+def __getattr__(name):  # leanstep.audit: imported on first use (it imports torch only when an audit starts)
+    if name == "audit":
+        import importlib
+
+        return importlib.import_module(".audit", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,626 @@
+"""Host-overhead audit: aten ops, host syncs and host reads by call site.
+
+``leanstep.audit()`` (the same as ``leanstep.audit.audit()``) is a context
+manager that counts, for the code inside it:
+
+- **aten ops** by overload name (``aten.add.Tensor``), seen with a
+  ``TorchDispatchMode``. On an accelerator each is about one kernel launch; a
+  foreach op (``aten._foreach_norm``, ``aten._foreach_mul_``) launches once per
+  chunk of tensors (on CUDA about 110 tensors or 320 blocks of 65,536 elements
+  per launch), so it counts 1 here and ceil(N / chunk) launches there. Views
+  and metadata ops (``aten.view``, ``aten.detach``) count as ops but launch
+  nothing.
+- **host syncs** at the aten level: every ``aten._local_scalar_dense`` (what
+  ``.item()``, ``bool(t)``, ``int(t)``... dispatch to) and every device-to-host
+  copy (``aten._to_copy`` / ``aten.copy_`` / ``aten._copy_from`` from a tensor on
+  a device other than CPU and meta into CPU memory), each attributed to the
+  Python call site ``file:line (function)`` of the first frame outside torch and
+  outside this module.
+- **implicit syncs**: ops whose output shape or result the host needs and that
+  therefore wait for the device inside the op (``nonzero``, ``masked_select``,
+  ``unique``, ``repeat_interleave`` without ``output_size``, indexing with a bool
+  mask, ``equal``, ``allclose``, ``bincount``), kept apart from the above.
+- **host reads** at the Python level, seen with a ``TorchFunctionMode`` and
+  kept separate from ``_local_scalar_dense``: ``Tensor.item``, ``tolist``,
+  ``cpu``, ``numpy`` (and ``__array__``), ``__bool__``, ``__int__``,
+  ``__float__``, ``__index__``, ``__complex__``, ``__format__``, ``__repr__``,
+  ``__contains__``, ``.to("cpu")`` / ``.to(device="cpu")`` (a literal ``"cpu"``;
+  a ``torch.device`` or tensor naming the CPU counts only when it moves a
+  non-CPU tensor, since on a CPU run ``t.to(p.device)`` is no read), and
+  ``cpu_t.copy_(t)`` from a non-CPU tensor. Each read records the tensor's dtype, shape and device
+  and a device class: ``"device"`` when the tensor is not on the CPU (meta
+  included: on a CPU run, meta tensors stand in for device tensors), so the
+  read would touch device memory on an accelerator; ``"host-resident"`` when
+  it is a CPU tensor (optimizer step counters, RNG state, CPU shims).
+
+What a count means depends on where the code ran. On a real device,
+``host syncs`` (``_local_scalar_dense`` plus device-to-host copies) are exact.
+On a CPU run they are not: ``.item()`` of a CPU counter counts as a sync
+although it would not wait for a device, and ``.cpu()`` of a tensor that would
+live on the device is a no-op that dispatches nothing. The host reads fill that
+gap: read them by call site and device class, dtype and shape (a 0-d int64 or
+float32 read per parameter is a step counter; a read of a grad or activation is
+not). Code that runs to the end on meta tensors makes no host reads of data.
+
+The audit works on any device (CPU and meta included). A host read that raises
+(``.item()`` of a meta tensor) is recorded, with the exception's type, and the
+exception propagates. Audits nest: each counts its own region. Modes are
+thread-local: ops issued from other threads (data loader workers) are not
+counted; the backward pass of CPU tensors, run by the autograd engine on the
+calling thread, is.
+
+Overhead: every aten op and every torch function call goes through a Python
+handler (microseconds each), and each sync or read walks the Python stack. The
+audit is for counting, not for timing.
+
+Command line: ``python -m leanstep.audit [--json] [--top N] [-o FILE] script.py
+[args...]`` runs the script as ``__main__`` (``sys.argv`` set to the script and
+its arguments) under one audit, then writes the table to stderr, or with
+``--json`` one line of JSON to stdout (after the script's own output), so the
+script's output stays as it was. The exit code is the script's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import traceback
+import types
+from typing import Callable, Iterable, NamedTuple, Optional, Union
+
+__all__ = ["Audit", "CallSite", "HostRead", "Sync", "audit", "main"]
+
+_THIS_FILE = os.path.normcase(os.path.abspath(__file__))
+
+
+class CallSite(NamedTuple):
+    """Where a sync or read came from: the first frame outside torch, this
+    module and the audit's ``stacklevel_filter``. ``via`` is the innermost
+    frame (``file:line (function)``) when it lies in torch or a filtered
+    library (e.g. ``torch/optim/adamw.py:...``), else None."""
+
+    file: str
+    line: int
+    function: str
+    via: Optional[str] = None
+
+    def __str__(self) -> str:
+        s = f"{_short_path(self.file)}:{self.line} ({self.function})"
+        return s + (f" via {self.via}" if self.via else "")
+
+
+class Sync(NamedTuple):
+    """A host sync seen at the aten level. ``kind``: ``"scalar"``
+    (``_local_scalar_dense``), ``"d2h_copy"``, ``"d2h_copy_nonblocking"`` or,
+    in ``Audit.implicit_syncs``, ``"data_dependent"``."""
+
+    kind: str
+    op: str
+    device: str
+    site: CallSite
+
+
+class HostRead(NamedTuple):
+    """A Python-level read of tensor data by the host. ``kind`` is the method
+    (``"item"``, ``"bool"``, ``"tolist"``, ``"cpu"``, ``"to_cpu"``, ...);
+    ``memory`` is ``"device"`` or ``"host-resident"``; ``error`` is the type
+    name of the exception the read raised, else None."""
+
+    kind: str
+    memory: str
+    device: str
+    dtype: str
+    shape: tuple
+    site: CallSite
+    error: Optional[str] = None
+
+    @property
+    def tensor(self) -> str:
+        dims = ",".join(str(d) for d in self.shape)
+        return f"{self.dtype}[{dims}] {self.device}"
+
+
+def _short_path(path: str) -> str:
+    """A path relative to the working directory when below it, else from the
+    site-packages directory on, else unchanged."""
+    if not path or path.startswith("<"):
+        return path
+    try:
+        rel = os.path.relpath(path)
+        if not rel.startswith(".."):
+            return rel
+    except ValueError:
+        pass
+    for marker in ("site-packages", "dist-packages"):
+        i = path.rfind(marker + os.sep)
+        if i >= 0:
+            return path[i + len(marker) + 1 :]
+    return path
+
+
+# --- the torch side (imported on the first audit, not with this module) ---
+
+_torch = None
+_modes = None  # (FunctionMode, DispatchMode) classes
+_torch_dir = None
+
+
+def _load_torch():
+    global _torch, _modes, _torch_dir
+    if _modes is not None:
+        return _modes
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    _torch = torch
+    _torch_dir = os.path.normcase(os.path.dirname(os.path.abspath(torch.__file__))) + os.sep
+    T = torch.Tensor
+    reads = {
+        T.item: "item",
+        T.tolist: "tolist",
+        T.cpu: "cpu",
+        T.numpy: "numpy",
+        T.__array__: "numpy",
+        T.__bool__: "bool",
+        T.__int__: "int",
+        T.__float__: "float",
+        T.__index__: "index",
+        T.__complex__: "complex",
+        T.__format__: "format",
+        T.__repr__: "repr",
+        T.__contains__: "contains",
+    }
+    to_fn = T.to
+    copy_fn = T.copy_
+    aten = torch.ops.aten
+    scalar = aten._local_scalar_dense.default
+    to_copy = aten._to_copy.default
+    copies = {aten.copy_.default: (1, 0), aten._copy_from.default: (0, 1),
+              aten._copy_from_and_resize.default: (0, 1)}  # op -> (src, dst) arg index
+    data_dependent = {
+        getattr(aten, name).default
+        for name in ("nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
+                     "unique_consecutive", "unique_dim_consecutive", "bincount",
+                     "equal", "allclose")
+        if hasattr(aten, name)
+    }
+    repeat_interleave = aten.repeat_interleave.Tensor
+    bool_indexed = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                    aten._index_put_impl_.default}
+    mask_dtypes = (torch.bool, torch.uint8)
+
+    def _to_host(args, kwargs):
+        # Tensor.to(device, ...), to(dtype), to(tensor), to(device=...). A read:
+        # a non-CPU tensor moved to the CPU, or a literal "cpu" target. A
+        # torch.device or a tensor naming the CPU, applied to a CPU tensor, is
+        # not: on a CPU run that is how code moves tensors to their own device
+        # (norm.to(grads[0].device) in clip_grad_norm_), a no-op on a GPU.
+        dev = kwargs.get("device")
+        c = dev if dev is not None else (args[1] if len(args) > 1 else None)
+        if isinstance(c, torch.Tensor):
+            c = c.device
+        if isinstance(c, str):
+            try:
+                return torch.device(c).type == "cpu"
+            except RuntimeError:
+                return False
+        if isinstance(c, torch.device):
+            return c.type == "cpu" and args[0].device.type != "cpu"
+        return False
+
+    class _FunctionMode(TorchFunctionMode):
+        def __init__(self, owner):
+            super().__init__()
+            self.owner = owner
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            kind = reads.get(func)
+            t = args[0] if args else None
+            if kind is None:
+                if func is to_fn and isinstance(t, torch.Tensor) and _to_host(args, kwargs):
+                    kind = "to_cpu"
+                elif (func is copy_fn and len(args) > 1 and isinstance(t, torch.Tensor)
+                      and isinstance(args[1], torch.Tensor) and t.device.type == "cpu"
+                      and args[1].device.type != "cpu"):
+                    kind, t = "copy_to_host", args[1]
+                else:
+                    return func(*args, **kwargs)
+            if not isinstance(t, torch.Tensor):
+                return func(*args, **kwargs)
+            error = None
+            try:
+                return func(*args, **kwargs)
+            except BaseException as e:
+                error = type(e).__name__
+                raise
+            finally:
+                self.owner._record_read(kind, t, error)
+
+    class _DispatchMode(TorchDispatchMode):
+        def __init__(self, owner):
+            super().__init__()
+            self.owner = owner
+            self.names = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            owner = self.owner
+            name = self.names.get(func)
+            if name is None:
+                name = self.names[func] = str(func)
+            owner.ops[name] += 1
+            if func is scalar:
+                owner._record_sync(owner.syncs, "scalar", name, args[0])
+            elif func is to_copy:
+                dev = kwargs.get("device")
+                src = args[0]
+                if (dev is not None and torch.device(dev).type == "cpu"
+                        and src.device.type not in ("cpu", "meta")):
+                    kind = "d2h_copy_nonblocking" if kwargs.get("non_blocking") else "d2h_copy"
+                    owner._record_sync(owner.syncs, kind, name, src)
+            elif func in copies:
+                i_src, i_dst = copies[func]
+                src, dst = args[i_src], args[i_dst]
+                if (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)
+                        and dst.device.type == "cpu" and src.device.type not in ("cpu", "meta")):
+                    nb = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+                    kind = "d2h_copy_nonblocking" if nb else "d2h_copy"
+                    owner._record_sync(owner.syncs, kind, name, src)
+            elif func in data_dependent or (
+                func is repeat_interleave and kwargs.get("output_size") is None
+            ):
+                owner._record_sync(owner.implicit_syncs, "data_dependent", name, args[0])
+            elif func in bool_indexed and len(args) > 1:
+                if any(isinstance(i, torch.Tensor) and i.dtype in mask_dtypes
+                       for i in (args[1] or ())):
+                    owner._record_sync(owner.implicit_syncs, "data_dependent", name, args[0])
+            return func(*args, **kwargs)
+
+    _modes = (_FunctionMode, _DispatchMode)
+    return _modes
+
+
+# --- call sites ---
+
+_lib_cache: dict = {}
+
+
+def _is_torch_or_audit(filename: str) -> bool:
+    r = _lib_cache.get(filename)
+    if r is None:
+        norm = os.path.normcase(os.path.abspath(filename)) if not filename.startswith("<") else filename
+        r = norm == _THIS_FILE or norm.startswith(_torch_dir)
+        _lib_cache[filename] = r
+    return r
+
+
+_PLUMBING = tuple(os.sep + p.replace("/", os.sep) for p in (
+    "torch/overrides.py",            # handle_torch_function
+    "torch/_tensor.py",              # Python methods (__format__, ...) forwarding to it
+    "torch/_compile.py",             # the dynamo-disable wrapper around mode handlers
+    "torch/_dynamo/eval_frame.py",
+    "torch/utils/_python_dispatch.py",
+))
+
+
+_plumbing_cache: dict = {}
+
+
+def _is_plumbing(filename: str) -> bool:
+    # Frames of torch's mode machinery (and of this module) between an op and
+    # the audit's handler say nothing about where a sync came from.
+    r = _plumbing_cache.get(filename)
+    if r is None:
+        r = _is_torch_or_audit(filename) and (
+            filename.endswith(_PLUMBING) or os.path.normcase(os.path.abspath(filename)) == _THIS_FILE
+        )
+        _plumbing_cache[filename] = r
+    return r
+
+
+def _frame_str(f) -> str:
+    fn = f.f_code.co_filename
+    norm = os.path.normcase(os.path.abspath(fn)) if not fn.startswith("<") else fn
+    if _torch_dir and norm.startswith(_torch_dir):
+        fn = "torch/" + norm[len(_torch_dir):].replace(os.sep, "/")
+    else:
+        fn = _short_path(fn)
+    return f"{fn}:{f.f_lineno} ({f.f_code.co_name})"
+
+
+def _make_filter(spec) -> Callable[[str], bool]:
+    if spec is None:
+        return lambda filename: False
+    if callable(spec):
+        return spec
+    if isinstance(spec, str):
+        spec = (spec,)
+    frags = tuple(spec)
+    return lambda filename: any(s in filename for s in frags)
+
+
+class Audit:
+    """Counts of one audited region (see the module docstring).
+
+    Use as ``with leanstep.audit() as a: ...``; the counters fill while the
+    region runs. Entering the same object again accumulates. Attributes:
+
+    - ``ops``: ``Counter`` aten overload name -> count; ``num_ops``.
+    - ``syncs``: ``Counter`` of :class:`Sync` (kind, op, device, site) -> count;
+      ``num_syncs``. ``implicit_syncs`` likewise for data-dependent ops.
+    - ``host_reads``: ``Counter`` of :class:`HostRead` -> count;
+      ``num_host_reads``, ``num_device_reads`` (reads of non-CPU tensors).
+    - ``to_dict()``, ``format_table(top=None)``, ``summary()``.
+
+    ``stacklevel_filter`` names further frames to skip when attributing a call
+    site, besides torch and this module: a callable ``filename -> bool`` (True
+    skips), a path fragment or an iterable of them (``"megatron/core/"``
+    attributes Megatron-Core's syncs to the training script's line).
+    """
+
+    def __init__(self, *, stacklevel_filter: Union[None, str, Iterable[str], Callable[[str], bool]] = None):
+        self.ops: collections.Counter = collections.Counter()
+        self.syncs: collections.Counter = collections.Counter()
+        self.implicit_syncs: collections.Counter = collections.Counter()
+        self.host_reads: collections.Counter = collections.Counter()
+        self._filter = _make_filter(stacklevel_filter)
+        self._filter_cache: dict = {}
+        self._active = None
+
+    # -- recording --
+    def _skip(self, filename: str) -> bool:
+        if _is_torch_or_audit(filename):
+            return True
+        r = self._filter_cache.get(filename)
+        if r is None:
+            r = self._filter_cache[filename] = bool(self._filter(filename))
+        return r
+
+    def _site(self) -> CallSite:
+        f = sys._getframe(1)
+        while f is not None and f.f_code.co_filename == __file__:
+            f = f.f_back
+        # via: the innermost library frame, past torch's torch-function plumbing
+        innermost = f
+        while innermost is not None and _is_plumbing(innermost.f_code.co_filename):
+            innermost = innermost.f_back
+        while f is not None and self._skip(f.f_code.co_filename):
+            f = f.f_back
+        via = _frame_str(innermost) if innermost is not None and innermost is not f else None
+        if f is None:
+            return CallSite("<unknown>", 0, "<unknown>", via)
+        return CallSite(f.f_code.co_filename, f.f_lineno, f.f_code.co_name, via)
+
+    def _record_sync(self, counter, kind, op, t):
+        dev = str(t.device) if isinstance(t, _torch.Tensor) else "?"
+        counter[Sync(kind, op, dev, self._site())] += 1
+
+    def _record_read(self, kind, t, error):
+        with _torch._C.DisableTorchFunction():
+            dev = t.device
+            memory = "host-resident" if dev.type == "cpu" else "device"
+            rec = HostRead(kind, memory, str(dev), str(t.dtype).replace("torch.", ""),
+                           tuple(t.shape), self._site(), error)
+        self.host_reads[rec] += 1
+
+    # -- context manager --
+    def __enter__(self) -> "Audit":
+        if self._active is not None:
+            raise RuntimeError("this Audit is already active; nest a new leanstep.audit() instead")
+        fmode_cls, dmode_cls = _load_torch()
+        fmode, dmode = fmode_cls(self), dmode_cls(self)
+        fmode.__enter__()
+        try:
+            dmode.__enter__()
+        except BaseException:
+            fmode.__exit__(None, None, None)
+            raise
+        self._active = (fmode, dmode)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        fmode, dmode = self._active
+        self._active = None
+        try:
+            dmode.__exit__(exc_type, exc, tb)
+        finally:
+            fmode.__exit__(exc_type, exc, tb)
+        return False
+
+    # -- results --
+    @property
+    def num_ops(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def num_syncs(self) -> int:
+        return sum(self.syncs.values())
+
+    @property
+    def num_implicit_syncs(self) -> int:
+        return sum(self.implicit_syncs.values())
+
+    @property
+    def num_host_reads(self) -> int:
+        return sum(self.host_reads.values())
+
+    @property
+    def num_device_reads(self) -> int:
+        return sum(n for r, n in self.host_reads.items() if r.memory == "device")
+
+    def summary(self) -> str:
+        s = (f"{self.num_ops} aten ops, {self.num_syncs} host syncs, "
+             f"{self.num_host_reads} host reads ({self.num_device_reads} of device memory)")
+        if self.implicit_syncs:
+            s += f", {self.num_implicit_syncs} implicit syncs (data-dependent ops)"
+        return s
+
+    def __repr__(self) -> str:
+        return f"<leanstep.audit.Audit: {self.summary()}>"
+
+    def to_dict(self) -> dict:
+        """Everything as plain JSON types; rows sorted by count, descending."""
+
+        def site(s: CallSite) -> dict:
+            return {"file": s.file, "line": s.line, "function": s.function, "via": s.via}
+
+        def syncs(counter) -> list:
+            return [{"count": n, "kind": r.kind, "op": r.op, "device": r.device, **site(r.site)}
+                    for r, n in _sorted(counter)]
+
+        return {
+            "summary": self.summary(),
+            "num_ops": self.num_ops,
+            "num_syncs": self.num_syncs,
+            "num_implicit_syncs": self.num_implicit_syncs,
+            "num_host_reads": self.num_host_reads,
+            "num_device_reads": self.num_device_reads,
+            "ops": dict(self.ops.most_common()),
+            "syncs": syncs(self.syncs),
+            "implicit_syncs": syncs(self.implicit_syncs),
+            "host_reads": [
+                {"count": n, "kind": r.kind, "memory": r.memory, "device": r.device,
+                 "dtype": r.dtype, "shape": list(r.shape), "error": r.error, **site(r.site)}
+                for r, n in _sorted(self.host_reads)
+            ],
+        }
+
+    def format_table(self, top: Optional[int] = None) -> str:
+        """A text report: ops by name (most frequent first), then host syncs,
+        implicit syncs and host reads by call site. ``top`` limits each
+        section's rows (the totals stay complete)."""
+        out = [f"audit: {self.summary()}", ""]
+
+        def section(title, header, rows):
+            out.append(title)
+            if not rows:
+                out.append("  (none)")
+                out.append("")
+                return
+            shown = rows if top is None else rows[:top]
+            widths = [max(len(str(r[i])) for r in [header] + shown) for i in range(len(header))]
+            for r in [header] + shown:
+                cells = [str(c).rjust(widths[0]) if i == 0 else str(c).ljust(widths[i])
+                         for i, c in enumerate(r)]
+                out.append("  " + "  ".join(cells).rstrip())
+            if len(shown) < len(rows):
+                out.append(f"  ... {len(rows) - len(shown)} more rows")
+            out.append("")
+
+        section(f"aten ops: {self.num_ops} ({len(self.ops)} names)", ("count", "op"),
+                [(n, name) for name, n in self.ops.most_common()])
+        sync_hdr = ("count", "kind", "op", "device", "call site")
+        section(f"host syncs: {self.num_syncs}", sync_hdr,
+                [(n, r.kind, r.op, r.device, str(r.site)) for r, n in _sorted(self.syncs)])
+        if self.implicit_syncs:
+            section(f"implicit syncs (data-dependent ops): {self.num_implicit_syncs}", sync_hdr,
+                    [(n, r.kind, r.op, r.device, str(r.site))
+                     for r, n in _sorted(self.implicit_syncs)])
+        section(f"host reads: {self.num_host_reads} ({self.num_device_reads} of device memory)",
+                ("count", "read", "memory", "tensor", "call site"),
+                [(n, r.kind + (f" ({r.error})" if r.error else ""), r.memory, r.tensor, str(r.site))
+                 for r, n in _sorted(self.host_reads)])
+        return "\n".join(out).rstrip() + "\n"
+
+
+def _sorted(counter):
+    return sorted(counter.items(), key=lambda kv: (-kv[1], str(kv[0].site), kv[0][:2]))
+
+
+def audit(*, stacklevel_filter=None) -> Audit:
+    """A new :class:`Audit`, to be used as a context manager:
+
+    >>> with leanstep.audit() as a:            # doctest: +SKIP
+    ...     loss = step(batch)
+    >>> print(a.summary())                     # doctest: +SKIP
+    412 aten ops, 1 host syncs, 1 host reads (1 of device memory)
+    """
+    return Audit(stacklevel_filter=stacklevel_filter)
+
+
+# --- command line ---
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m leanstep.audit",
+        description="Run a Python script under leanstep.audit() and report its aten ops, "
+                    "host syncs and host reads by call site. The table goes to stderr, "
+                    "--json to stdout (one line, after the script's output); the exit code "
+                    "is the script's.",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as one line of JSON on stdout")
+    p.add_argument("--top", type=int, default=None, metavar="N", help="at most N rows per table section")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead")
+    p.add_argument("--skip", action="append", default=[], metavar="FRAGMENT",
+                   help="path fragment of frames to skip when attributing call sites (repeatable)")
+    p.add_argument("script", help="the Python script to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    import runpy
+
+    opts = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    script = opts.script
+    old_argv, old_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    sys.argv = [script] + list(opts.args)
+    script_dir = os.path.dirname(os.path.abspath(script))
+    if sys.path:
+        sys.path[0] = script_dir
+    else:
+        sys.path.insert(0, script_dir)
+    rc = 0
+    a = audit(stacklevel_filter=opts.skip or None)
+    try:
+        with a:
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None:
+            rc = 0
+        elif isinstance(e.code, int):
+            rc = e.code
+        else:
+            print(e.code, file=sys.stderr)
+            rc = 1
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    finally:
+        sys.argv = old_argv
+        if old_path0 is not None:
+            sys.path[0] = old_path0
+    sys.stdout.flush()
+    report = json.dumps(a.to_dict()) if opts.json else a.format_table(opts.top)
+    if opts.output:
+        with open(opts.output, "w") as f:
+            f.write(report if report.endswith("\n") else report + "\n")
+    elif opts.json:
+        print(report, flush=True)
+    else:
+        sys.stderr.write(report)
+        sys.stderr.flush()
+    return rc
+
+
+class _CallableModule(types.ModuleType):
+    """``leanstep.audit`` is this module and ``leanstep.audit()`` starts an
+    audit, so both ``leanstep.audit()`` and ``leanstep.audit.audit()`` work."""
+
+    def __call__(self, **kwargs) -> Audit:
+        return audit(**kwargs)
+
+
+if __name__ == "__main__":
+    try:  # run the package's copy of this module, so nested audits share its classes
+        from leanstep.audit import main as _main
+    except ImportError:
+        _main = main
+    sys.exit(_main())
+else:
+    sys.modules[__name__].__class__ = _CallableModule
