@@ -148,6 +148,23 @@ class GradPlan:
             self._core.unscale_norm(view(inv_scale), out, found_inf, norm_type)
         return out, found_inf
 
+    def unscale_(self, inv_scale, *, found_inf=None):
+        """Every grad ``x = cast(float(x) * inv_scale)`` in place, and
+        found_inf (OR-ed into, 1-element fp32) set if any value before
+        unscaling is non-finite: one pass. Returns found_inf."""
+        self._check_current("unscale_")
+        found_inf = self._new_scalar("float32") if found_inf is None else view(found_inf)
+        self._record("unscale")
+        if self.backend == "torch":
+            self._torch_plan.unscale(_maybe_view(inv_scale), found_inf)
+            return found_inf
+        scratch = self._new_scalar("float32")  # the same pass yields the norm; unused here
+        if isinstance(inv_scale, numbers.Real):
+            self._core.unscale_norm(float(inv_scale), scratch, found_inf, 2.0)
+        else:
+            self._core.unscale_norm(view(inv_scale), scratch, found_inf, 2.0)
+        return found_inf
+
     def clip_(self, max_norm, norm, *, coeff_out=None):
         """Scales every grad in place by ``min(1, max_norm / (norm + 1e-6))``,
         the coefficient computed from the array ``norm`` without a host read

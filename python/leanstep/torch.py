@@ -15,7 +15,7 @@
 import torch
 import torch.nn.functional as F
 
-from . import _leanstep
+from . import _backend, _leanstep
 
 if "moe" in _leanstep.areas:
     from ._moe import (
@@ -68,11 +68,19 @@ def _no_features():
                 compiled_or_captured=False, user_subclass=False)
 
 
-def rms_norm(x, weight, eps=1e-6, zero_centered_gamma=False, rounding="scale_then_cast"):
-    """Autograd-aware leanstep RMSNorm over the last dim (CPU tensors,
-    fp32/fp16/bf16). The weight gradient is computed only if the weight
-    requires grad."""
-    x = x.contiguous()
+def rms_norm(x, weight, eps=1e-6, zero_centered_gamma=False, rounding="scale_then_cast", *,
+             backend=None):
+    """Autograd-aware leanstep RMSNorm over the last dim (fp32/fp16/bf16).
+    The weight gradient is computed only if the weight requires grad. CPU
+    tensors run the C++ kernels; tensors on any other device (or
+    ``backend="torch"``) run the torch-op backend, which never reads a device
+    value on the host."""
+    chosen = _backend.choose([x, weight], backend, "rms_norm", ["x", "weight"])
+    _backend.record("rmsnorm.forward", chosen, x.device.type)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if chosen == "torch":
+        return _torch_rms_norm(x, weight, float(eps), zero_centered_gamma, rounding)
     wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     context = dict(_no_features(), weight_requires_grad=bool(
         torch.is_grad_enabled() and weight.requires_grad))
@@ -85,12 +93,32 @@ def rms_norm(x, weight, eps=1e-6, zero_centered_gamma=False, rounding="scale_the
     return _RMSNormFunction.apply(x, weight, float(eps), zero_centered_gamma, rounding, context)
 
 
+def _torch_rms_norm(x, weight, eps, zero_centered_gamma, rounding):
+    """The device path: frozen weight -> dx-only autograd function; a
+    trainable weight -> the same formula in torch ops under autograd."""
+    from .backends import torch_rmsnorm
+
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return torch_rmsnorm.forward(x, weight, eps, zero_centered_gamma, rounding,
+                                     impl="composite")[0]
+    if torch.is_grad_enabled() and x.requires_grad:
+        return torch_rmsnorm.FrozenRMSNorm.apply(x, weight, eps, zero_centered_gamma, rounding)
+    return torch_rmsnorm.forward(x, weight, eps, zero_centered_gamma, rounding)[0]
+
+
 def _activation_offload_active():
     # Saved-tensor hooks (activation offload / checkpointing to host) would not
     # see what a custom Function saves the same way: delegate.
     try:
         return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
     except (AttributeError, TypeError):
+        return False
+
+
+def _autocast_enabled(device_type):
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type without autocast (meta)
         return False
 
 
@@ -115,12 +143,14 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None,
                  dtype=None, *, zero_centered_gamma=False, rounding="scale_then_cast",
-                 frozen_only=False):
+                 frozen_only=False, backend=None):
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine,
                          device=device, dtype=dtype)
         self.zero_centered_gamma = zero_centered_gamma
         self.rounding = rounding
         self.frozen_only = frozen_only
+        self.backend = backend
+        self.enabled = None
         self.last_decision = None
         if zero_centered_gamma and self.weight is not None:
             with torch.no_grad():
@@ -128,7 +158,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
     @classmethod
     def from_torch(cls, norm, *, zero_centered_gamma=False, rounding="scale_then_cast",
-                   frozen_only=False):
+                   frozen_only=False, backend=None, enabled=None):
         """A leanstep RMSNorm sharing ``norm``'s weight Parameter (no copy)."""
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
@@ -142,6 +172,8 @@ class RMSNorm(torch.nn.RMSNorm):
         new.zero_centered_gamma = zero_centered_gamma
         new.rounding = rounding
         new.frozen_only = frozen_only
+        new.backend = backend
+        new.enabled = enabled
         new.last_decision = None
         return new
 
@@ -162,8 +194,8 @@ class RMSNorm(torch.nn.RMSNorm):
             return "no_weight"
         if len(self.normalized_shape) != 1:
             return "multi_dim_normalized_shape"
-        if x.device.type != "cpu" or w.device.type != "cpu":
-            return "device"
+        if x.device != w.device:
+            return "device"  # torch raises its own error
         if x.dtype not in _FLOAT_DTYPES or w.dtype not in _FLOAT_DTYPES:
             return "dtype"
         if x.dim() == 0 or x.shape[-1] != self.normalized_shape[0]:
@@ -179,7 +211,7 @@ class RMSNorm(torch.nn.RMSNorm):
         return dict(
             weight_requires_grad=bool(torch.is_grad_enabled() and self.weight.requires_grad),
             fp8_output=False,
-            autocast=torch.is_autocast_enabled("cpu"),
+            autocast=_autocast_enabled(self.weight.device.type),
             activation_offload=_activation_offload_active(),
             debug_hooks=hooks,
             compiled_or_captured=_compiling(),
@@ -189,6 +221,10 @@ class RMSNorm(torch.nn.RMSNorm):
     def forward(self, x):
         # torch has neither convention: with them, leanstep must run.
         delegate_ok = not self.zero_centered_gamma and self.rounding == "scale_then_cast"
+        if self.enabled is not None and not self.enabled() and delegate_ok:
+            # Switched off at run time (a crossover's baseline): torch's own path.
+            self.last_decision = {"path": "torch", "reason": "switched_off"}
+            return super().forward(x)
         unsupported = self._unsupported(x)
         if unsupported is not None:
             if not delegate_ok:
@@ -208,8 +244,15 @@ class RMSNorm(torch.nn.RMSNorm):
             self.last_decision = {"path": "torch", "reason": decision["explain"]}
             return super().forward(x)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        self.last_decision = {"path": decision["path"], "reason": decision["reason"]}
-        x = x.contiguous()
+        chosen = _backend.choose([x, self.weight], self.backend, "RMSNorm", ["x", "weight"])
+        _backend.record("rmsnorm.forward", chosen, x.device.type)
+        self.last_decision = {"path": decision["path"], "reason": decision["reason"],
+                              "backend": chosen}
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if chosen == "torch":
+            return _torch_rms_norm(x, self.weight, float(eps), self.zero_centered_gamma,
+                                   self.rounding)
         if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             y = torch.empty_like(x)
             rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)

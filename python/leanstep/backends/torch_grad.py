@@ -163,12 +163,7 @@ class TorchGradPlan:
         if not self.views:
             return self._result(torch.zeros(1, dtype=torch.float32, device=self.device), out)
         if inv_scale is not None:
-            inv = self._as_device_scalar(inv_scale, "inv_scale").reshape(1)
-            # Checks every value before scaling it, then writes it scaled:
-            # found_inf is OR-ed into (never reset), as the CPU path does.
-            for grp in self.groups:
-                for _ in range(grp.multiplicity):
-                    torch._amp_foreach_non_finite_check_and_unscale_(grp.views, found_inf, inv)
+            self.unscale(inv_scale, found_inf)
             return self._result(self._total(norm_type), out)
         total = self._total(norm_type)
         if norm_type == float("inf") or (norm_type == 2.0 and self.acc_dtype == torch.float64
@@ -179,6 +174,22 @@ class TorchGradPlan:
         else:
             self._flag_into(self._view_norms(float("inf")).amax(0, keepdim=True), found_inf)
         return self._result(total, out)
+
+    def unscale(self, inv_scale, found_inf):
+        """x = cast(float(x) * inv_scale) in place; found_inf |= any non-finite
+        value before scaling. One read and one write of every element."""
+        if not self.views:
+            return
+        if isinstance(inv_scale, torch.Tensor):
+            self._check_device_scalar(inv_scale, "inv_scale")
+            inv = inv_scale if inv_scale.dim() == 1 else inv_scale.reshape(1)
+        else:
+            inv = torch.full((1,), float(inv_scale), dtype=torch.float32, device=self.device)
+        # Checks every value before scaling it, then writes it scaled:
+        # found_inf is OR-ed into (never reset), as the CPU path does.
+        for grp in self.groups:
+            for _ in range(grp.multiplicity):
+                torch._amp_foreach_non_finite_check_and_unscale_(grp.views, found_inf, inv)
 
     def clip(self, total_norm, max_norm, coeff_out):
         """Scales every grad by clamp(max_norm / (norm + 1e-6), max=1) and

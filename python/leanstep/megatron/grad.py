@@ -1,0 +1,325 @@
+"""Gradient patches: ``optimizer.clip_grads`` (norm, clip, zero count) and
+the mixed-precision optimizer's unscale + found_inf check.
+
+Grads on the CPU run the C++ kernels; grads on any other device run the
+torch-op backend (sync-free). Each call finds its plan in a cache: the same
+list objects hit at once (an identity check in C), other lists by their
+addresses, sizes and dtypes. The device, dtype and subclass checks run once
+per plan, not once per grad per call.
+"""
+
+import functools
+import math
+import operator
+import sys
+import threading
+
+import torch
+
+from .. import _backend
+from . import _patching
+from ._patching import EMPTY, Spec, Variant
+
+CLIP_GRADS = "megatron.core.optimizer.clip_grads"
+OPTIMIZER = "megatron.core.optimizer.optimizer"
+ALIAS_MODULES = (OPTIMIZER, "megatron.core.optimizer.layer_wise_optimizer",
+                 "megatron.core.models.mimo.optimizer")
+
+_PLAN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
+_dtype = operator.attrgetter("dtype")
+_grad_of = operator.attrgetter("grad")
+
+
+class PlanCache:
+    """GradPlans for the grad lists Megatron passes each step."""
+
+    def __init__(self, size=8):
+        self._size = size
+        self._by_key = {}
+        self._order = []
+        self._last = None  # (list of tensors, plan) of the latest hit
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(grads):
+        return (tuple(map(_ptr, grads)), tuple(map(_numel, grads)), tuple(map(_dtype, grads)),
+                grads[0].device if grads else None)
+
+    def get(self, grads):
+        """(plan, None), or (None, reason) when leanstep cannot take these grads."""
+        last = self._last
+        if last is not None and len(last[0]) == len(grads) and all(
+                map(operator.is_, last[0], grads)) and last[1].is_current():
+            return last[1], None
+        key = self._key(grads)
+        with self._lock:
+            entry = self._by_key.get(key)
+        if entry is None:
+            entry = self._build(grads)
+            with self._lock:
+                self._by_key[key] = entry
+                self._order.append(key)
+                while len(self._order) > self._size:
+                    self._by_key.pop(self._order.pop(0), None)
+        plan, reason = entry
+        if plan is not None:
+            self._last = (list(grads), plan)
+        return plan, reason
+
+    @staticmethod
+    def _build(grads):
+        from .._grad import GradPlan
+
+        for g in grads:
+            if type(g) not in _PLAIN_TYPES:
+                return None, "tensor_subclass"
+            if g.dtype not in _PLAN_DTYPES:
+                return None, "dtype"
+        if grads and len({g.device for g in grads}) > 1:
+            return None, "mixed_devices"
+        if grads and _backend.device_usable(grads[0].device) is not None:
+            return None, "device_unusable"
+        return GradPlan(grads, like=_EMPTY_LIKE), None
+
+    def clear(self):
+        with self._lock:
+            self._by_key.clear()
+            self._order.clear()
+            self._last = None
+
+
+plans = PlanCache()
+_EMPTY_LIKE = torch.empty(0)  # results of an empty grad list are torch tensors too
+
+
+def dist_ready():
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _device_tag(plan):
+    device = plan._device
+    return plan.backend, (device.type if device is not None else "cpu")
+
+
+# ---------------------------------------------------------------- get_grad_norm_fp32
+
+
+def _make_get_grad_norm_fp32(original, spec):
+    home = sys.modules[original.__module__]
+
+    @functools.wraps(original)
+    def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
+        if not _patching.is_active("grad"):
+            _patching.count(spec.name, reason="switched_off")
+            return original(grads_for_norm, norm_type, grad_stats_parallel_group)
+        grads = [grads_for_norm] if isinstance(grads_for_norm, torch.Tensor) else list(grads_for_norm)
+        plan, reason = plans.get(grads)
+        if reason is not None:
+            _patching.count(spec.name, reason=reason)
+            return original(grads_for_norm, norm_type, grad_stats_parallel_group)
+        _patching.count(spec.name, *_device_tag(plan)[::-1])
+        p = float(norm_type)
+        norm, _ = plan.norm(norm_type=p)
+        if p == math.inf:
+            if dist_ready():
+                torch.distributed.all_reduce(norm, op=torch.distributed.ReduceOp.MAX,
+                                             group=grad_stats_parallel_group)
+            return norm[0].item()  # both versions return the inf-norm as a float
+        # As the original: the p-th power (fp32) is what ranks SUM-reduce.
+        total = norm if p == 1.0 else norm ** p
+        if dist_ready():
+            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM,
+                                         group=grad_stats_parallel_group)
+        # Follow what the installed code does at this moment: newer versions
+        # keep the norm on the device when Transformer Engine's
+        # multi_tensor_scale_tensor is importable, and return a float otherwise.
+        if getattr(home, "multi_tensor_scale_tensor_impl", None) is not None:
+            return total.pow(1.0 / p)
+        return total.item() ** (1.0 / p)
+
+    return get_grad_norm_fp32
+
+
+# ---------------------------------------------------------------- clip_grad_by_total_norm_fp32
+
+
+def _make_clip_grad_by_total_norm_fp32(original, spec):
+    @functools.wraps(original)
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if not _patching.is_active("grad"):
+            _patching.count(spec.name, reason="switched_off")
+            return original(parameters, max_norm, total_norm, use_decoupled_grad)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        if use_decoupled_grad:
+            grads = [g for g in (getattr(p, attr, None) for p in params) if g is not None]
+        else:  # the hot path: attribute reads in C, no Python loop per param
+            grads = [g for g in map(_grad_of, params) if g is not None]
+        allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
+        plan, reason = plans.get(grads)
+        if reason is None and grads and any(d not in allowed for d in set(map(_dtype, grads))):
+            reason = "dtype"  # the original asserts on these
+        if reason is None and isinstance(total_norm, torch.Tensor) and grads and \
+                total_norm.device != grads[0].device:
+            reason = "norm_on_another_device"
+        if reason is not None:
+            _patching.count(spec.name, reason=reason)
+            return original(params, max_norm, total_norm, use_decoupled_grad)
+        _patching.count(spec.name, *_device_tag(plan)[::-1])
+        if not grads:
+            return None
+        if isinstance(total_norm, torch.Tensor):
+            # A norm that stayed on the device: coefficient from it, no host read.
+            norm = total_norm.detach().reshape(1)
+            if norm.dtype != torch.float32:
+                norm = norm.to(torch.float32)
+            plan.clip_(float(max_norm), norm)
+            return None
+        # As the installed code: coefficient in double on the host, applied
+        # only when < 1, as an fp32 multiply.
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            plan.scale_(float(clip_coeff))
+        return None
+
+    return clip_grad_by_total_norm_fp32
+
+
+# ---------------------------------------------------------------- count_zeros_fp32
+
+
+def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
+    home = sys.modules[original.__module__]
+    gtp_filter = getattr(home, "param_is_not_gtp_duplicate", None) if with_expert_tp else None
+
+    def select(params, attr, tp_group, expert_tp_group):
+        selected = []
+        for param in params:
+            grad = getattr(param, attr, None)
+            if getattr(param, "__fsdp_param__", False) and grad is not None:
+                return None, "megatron_fsdp"
+            if grad is None:
+                continue
+            # The installed version's own filters (shared params, TP duplicates).
+            if not home.param_is_not_shared(param):
+                continue
+            if with_expert_tp:
+                if not home.param_is_not_tensor_parallel_duplicate(
+                        param, tp_group=tp_group, expert_tp_group=expert_tp_group):
+                    continue
+                if gtp_filter is not None and not gtp_filter(param):
+                    continue
+            elif not home.param_is_not_tensor_parallel_duplicate(param, tp_group=tp_group):
+                continue
+            selected.append(grad)
+        return selected, None
+
+    def run(params, group, attr, tp_group, expert_tp_group, call_original):
+        if not _patching.is_active("grad"):
+            _patching.count(spec.name, reason="switched_off")
+            return call_original()
+        selected, reason = select(params, attr, tp_group, expert_tp_group)
+        plan = None
+        if reason is None:
+            plan, reason = plans.get(selected)
+        if reason is not None:
+            _patching.count(spec.name, reason=reason)
+            return call_original()
+        _patching.count(spec.name, *_device_tag(plan)[::-1])
+        count = plan.count_zeros()
+        if with_expert_tp:
+            # Newer versions accumulate in int64 and return a Python int.
+            if dist_ready():
+                torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.SUM, group=group)
+            return count.item()
+        # 0.16 accumulates into an fp32 tensor, SUM-reduces it, returns a float.
+        total = count.to(torch.float32)
+        if dist_ready():
+            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=group)
+        return total.item()
+
+    if with_expert_tp:
+        @functools.wraps(original)
+        def count_zeros_fp32(parameters, grad_stats_parallel_group, use_decoupled_grad=False,
+                             tp_group=None, expert_tp_group=None):
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            attr = "decoupled_grad" if use_decoupled_grad else "grad"
+            return run(params, grad_stats_parallel_group, attr, tp_group, expert_tp_group,
+                       lambda: original(params, grad_stats_parallel_group, use_decoupled_grad,
+                                        tp_group, expert_tp_group))
+    else:
+        @functools.wraps(original)
+        def count_zeros_fp32(parameters, grad_stats_parallel_group, use_decoupled_grad=False,
+                             tp_group=None):
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            attr = "decoupled_grad" if use_decoupled_grad else "grad"
+            return run(params, grad_stats_parallel_group, attr, tp_group, None,
+                       lambda: original(params, grad_stats_parallel_group, use_decoupled_grad,
+                                        tp_group))
+    return count_zeros_fp32
+
+
+# ---------------------------------------------------------------- unscale + found_inf
+
+
+def _make_unscale_and_check(original, spec):
+    @functools.wraps(original)
+    def _unscale_main_grads_and_check_for_nan(self):
+        if not _patching.is_active("grad"):
+            _patching.count(spec.name, reason="switched_off")
+            return original(self)
+        stub = getattr(self, "is_stub_optimizer", False)
+        main_grads = [] if stub else self._collect_main_grad_data_for_unscaling()
+        plan, reason = plans.get(main_grads)
+        inv_scale = self.grad_scaler.inv_scale
+        if reason is None and main_grads and (
+                not isinstance(inv_scale, torch.Tensor) or inv_scale.device != main_grads[0].device
+                or inv_scale.dtype != torch.float32 or inv_scale.numel() != 1):
+            reason = "inv_scale"
+        if reason is not None:
+            _patching.count(spec.name, reason=reason)
+            return original(self)
+        _patching.count(spec.name, *_device_tag(plan)[::-1])
+        self.found_inf.fill_(0.0)
+        if main_grads:
+            # Unscale and non-finite check in one pass over the coalesced
+            # regions, OR-ed into the optimizer's own found_inf.
+            plan.unscale_(inv_scale.reshape(1), found_inf=self.found_inf)
+        torch.distributed.all_reduce(self.found_inf, op=torch.distributed.ReduceOp.MAX,
+                                     group=self.get_grad_stats_parallel_group())
+        return self.found_inf.item() > 0  # the optimizer's step branches on a Python bool
+
+    return _unscale_main_grads_and_check_for_nan
+
+
+SPECS = [
+    Spec("get_grad_norm_fp32", "grad", CLIP_GRADS, "get_grad_norm_fp32",
+         [Variant("0.16-0.19", [("grads_for_norm", EMPTY), ("norm_type", 2),
+                                ("grad_stats_parallel_group", None)],
+                  _make_get_grad_norm_fp32)],
+         ALIAS_MODULES, requires_area="grad",
+         host_read="returns a Python float where the installed version does (0.16; 0.19 "
+                   "without Transformer Engine; every inf-norm)"),
+    Spec("clip_grad_by_total_norm_fp32", "grad", CLIP_GRADS, "clip_grad_by_total_norm_fp32",
+         [Variant("0.16-0.19", [("parameters", EMPTY), ("max_norm", EMPTY),
+                                ("total_norm", EMPTY), ("use_decoupled_grad", False)],
+                  _make_clip_grad_by_total_norm_fp32)],
+         ALIAS_MODULES, requires_area="grad"),
+    Spec("count_zeros_fp32", "grad", CLIP_GRADS, "count_zeros_fp32",
+         [Variant("0.16", [("parameters", EMPTY), ("grad_stats_parallel_group", EMPTY),
+                           ("use_decoupled_grad", False), ("tp_group", None)],
+                  _make_count_zeros_fp32),
+          Variant("0.19", [("parameters", EMPTY), ("grad_stats_parallel_group", EMPTY),
+                           ("use_decoupled_grad", False), ("tp_group", None),
+                           ("expert_tp_group", None)],
+                  functools.partial(_make_count_zeros_fp32, with_expert_tp=True))],
+         ALIAS_MODULES, requires_area="grad",
+         host_read="returns a Python number (the installed API)"),
+    Spec("unscale_and_check_for_nan", "grad", OPTIMIZER, "_unscale_main_grads_and_check_for_nan",
+         [Variant("0.16-0.19", [("self", EMPTY)], _make_unscale_and_check)],
+         class_attr="MixedPrecisionOptimizer", requires_area="grad",
+         host_read="found_inf as a Python bool: the optimizer's step branches on it"),
+]

@@ -1,0 +1,275 @@
+"""MoE patches: ``transformer.moe.moe_utils`` permute, unpermute,
+sort_chunks_by_idxs and pad_routing_map, for 0.16 (3-tuple permute) and
+0.19 (tokens_per_expert/align_size, a 5-tuple; unpermute's pad_offsets).
+
+CPU tensors run the C++ kernels; tensors on another device the torch-op
+backend, with no host read when the number of output rows is known on the
+host. Semantics that differ from the original's only for inputs Megatron
+never produces (an output row count that is not the routed count) are
+checked: on the CPU by delegating such calls, on a device by an
+asynchronous assertion (it raises at the next synchronisation, with no
+host read on the way).
+"""
+
+import functools
+
+import torch
+
+from . import _patching
+from ._patching import EMPTY, Spec, Variant
+
+MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+ALIAS_MODULES = ("megatron.core.transformer.moe.token_dispatcher",)
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _why_not(tensors):
+    """Why leanstep cannot take these tensors (None if it can)."""
+    from .. import _backend
+
+    device = None
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) not in _PLAIN:
+            return "tensor_subclass"
+        if device is None:
+            device = t.device
+            if _backend.device_usable(device) is not None:
+                return "device_unusable"
+        elif t.device != device:
+            return "mixed_devices"
+    return None
+
+
+def _device_type(t):
+    return t.device.type
+
+
+def _wants_grad(*tensors):
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _host_rows(num_out_tokens, device):
+    """num_out_tokens as a host int if that costs no device read, else None."""
+    if num_out_tokens is None:
+        return None
+    if isinstance(num_out_tokens, torch.Tensor):
+        if num_out_tokens.device.type != "cpu":
+            return None
+        return int(num_out_tokens)  # host memory: no device synchronisation
+    return int(num_out_tokens)
+
+
+def _make_permute(original, spec, five_tuple=False):
+    from .. import torch as lt
+    from .._moe import moe_permute
+
+    def run(tokens, routing_map, probs, num_out_tokens, fused, drop_and_pad, call_original):
+        if not _patching.is_active("moe"):
+            _patching.count(spec.name, reason="switched_off")
+            return None, call_original()
+        reason = "fused" if fused else _why_not([tokens, routing_map, probs])
+        if reason is None and (tokens.dim() != 2 or tokens.dtype not in _DTYPES
+                               or (probs is not None and probs.dtype not in _DTYPES)):
+            reason = "dtype_or_shape"
+        on_cpu = reason is None and tokens.device.type == "cpu"
+        rows = _host_rows(num_out_tokens, tokens.device) if reason is None else None
+        if reason is None and five_tuple and not (drop_and_pad and num_out_tokens is not None):
+            if num_out_tokens is None:
+                reason = "num_out_tokens_missing"  # the original asserts
+            elif on_cpu and rows != int(routing_map.sum()):
+                # The original then truncates, or fills with unrouted tokens.
+                reason = "num_out_tokens_not_routed_count"
+        if reason is not None:
+            _patching.count(spec.name, reason=reason)
+            return None, call_original()
+        _patching.count(spec.name, _device_type(tokens), "cpu" if on_cpu else "torch")
+        if routing_map.dtype != torch.bool:
+            routing_map = routing_map.bool()  # the original accepts 0/1 integer maps
+        if drop_and_pad and num_out_tokens is not None:
+            rows = rows if rows is not None else int(num_out_tokens)
+            dp = True
+        else:
+            dp = False
+            if not five_tuple and on_cpu:
+                rows = None  # 0.16's plain path emits every routed pair
+            elif rows is None and num_out_tokens is not None:
+                rows = int(num_out_tokens)  # a device count: the one read the original pays too
+            if not on_cpu and rows is not None:
+                torch._assert_async(routing_map.sum() == rows,
+                                    "leanstep permute: num_out_tokens must equal the routed count")
+        tokens = tokens if tokens.is_contiguous() else tokens.contiguous()
+        routing_map = routing_map if routing_map.is_contiguous() else routing_map.contiguous()
+        if probs is not None and not probs.is_contiguous():
+            probs = probs.contiguous()
+        if _wants_grad(tokens, probs):
+            return lt.permute(tokens, routing_map, probs, rows, dp), None
+        return moe_permute(tokens, routing_map, probs, rows, dp), None
+
+    if five_tuple:
+        @functools.wraps(original)
+        def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
+                    drop_and_pad=False, tokens_per_expert=None, align_size=0):
+            out, fallback = run(tokens, routing_map, probs, num_out_tokens, fused, drop_and_pad,
+                                lambda: original(tokens, routing_map, probs, num_out_tokens, fused,
+                                                 drop_and_pad, tokens_per_expert, align_size))
+            if out is None:
+                return fallback
+            permuted, permuted_probs, sorted_indices = out
+            # The non-fused path of 0.19: no pad offsets; tokens_per_expert as given.
+            return permuted, permuted_probs, sorted_indices, None, tokens_per_expert
+    else:
+        @functools.wraps(original)
+        def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
+                    drop_and_pad=False):
+            out, fallback = run(tokens, routing_map, probs, num_out_tokens, fused, drop_and_pad,
+                                lambda: original(tokens, routing_map, probs, num_out_tokens, fused,
+                                                 drop_and_pad))
+            return fallback if out is None else out
+    return permute
+
+
+def _make_unpermute(original, spec, with_pad_offsets=False):
+    from .. import torch as lt
+    from .._moe import moe_unpermute
+
+    def run(permuted_tokens, sorted_indices, restore_shape, probs, routing_map, fused,
+            drop_and_pad, pad_offsets, call_original):
+        if not _patching.is_active("moe"):
+            _patching.count(spec.name, reason="switched_off")
+            return call_original()
+        reason = "fused" if fused else _why_not([permuted_tokens, sorted_indices, probs,
+                                                 routing_map])
+        if reason is None and pad_offsets is not None:
+            reason = "pad_offsets"
+        if reason is None and (permuted_tokens.dim() != 2
+                               or permuted_tokens.dtype not in _DTYPES
+                               or (probs is not None and probs.dtype not in _DTYPES)):
+            reason = "dtype_or_shape"
+        if reason is None and probs is not None and routing_map is None:
+            reason = "probs_without_routing_map"  # the original asserts
+        if reason is not None:
+            _patching.count(spec.name, reason=reason)
+            return call_original()
+        on_cpu = permuted_tokens.device.type == "cpu"
+        _patching.count(spec.name, _device_type(permuted_tokens), "cpu" if on_cpu else "torch")
+        if routing_map is not None and routing_map.dtype != torch.bool:
+            routing_map = routing_map.bool()
+        permuted_tokens = permuted_tokens.contiguous()
+        sorted_indices = sorted_indices.contiguous()
+        if probs is not None:
+            probs, routing_map = probs.contiguous(), routing_map.contiguous()
+        else:
+            routing_map = None  # only used to place probs
+        dp = bool(drop_and_pad) and probs is not None
+        if _wants_grad(permuted_tokens, probs):
+            return lt.unpermute(permuted_tokens, sorted_indices, tuple(restore_shape), probs,
+                                routing_map, dp)
+        return moe_unpermute(permuted_tokens, sorted_indices, tuple(restore_shape), probs,
+                             routing_map, dp)
+
+    if with_pad_offsets:
+        @functools.wraps(original)
+        def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None,
+                      routing_map=None, fused=False, drop_and_pad=False, pad_offsets=None):
+            return run(permuted_tokens, sorted_indices, restore_shape, probs, routing_map, fused,
+                       drop_and_pad, pad_offsets,
+                       lambda: original(permuted_tokens, sorted_indices, restore_shape, probs,
+                                        routing_map, fused, drop_and_pad, pad_offsets))
+    else:
+        @functools.wraps(original)
+        def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None,
+                      routing_map=None, fused=False, drop_and_pad=False):
+            return run(permuted_tokens, sorted_indices, restore_shape, probs, routing_map, fused,
+                       drop_and_pad, None,
+                       lambda: original(permuted_tokens, sorted_indices, restore_shape, probs,
+                                        routing_map, fused, drop_and_pad))
+    return unpermute
+
+
+def _make_sort_chunks_by_idxs(original, spec):
+    from .. import torch as lt
+    from .._moe import sort_chunks_by_idxs as ls_sort_chunks
+
+    @functools.wraps(original)
+    def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False):
+        if not _patching.is_active("moe"):
+            _patching.count(spec.name, reason="switched_off")
+            return original(input, split_sizes, sorted_idxs, probs, fused)
+        reason = "fused" if fused else None
+        if reason is None and not (isinstance(split_sizes, torch.Tensor)
+                                   and isinstance(sorted_idxs, torch.Tensor)):
+            reason = "non_tensor_sizes"
+        if reason is None:
+            reason = _why_not([input, probs])
+        if reason is None and input.dtype not in _DTYPES + (torch.float64,):
+            reason = "dtype"
+        if reason is not None:
+            _patching.count(spec.name, reason=reason)
+            return original(input, split_sizes, sorted_idxs, probs, fused)
+        device = input.device
+        # Megatron keeps split sizes on the host; a device run needs them on
+        # the device (a host-to-device copy, never a read back).
+        split_sizes = split_sizes.to(device, non_blocking=True).contiguous()
+        sorted_idxs = sorted_idxs.to(device, non_blocking=True).contiguous()
+        _patching.count(spec.name, device.type, "cpu" if device.type == "cpu" else "torch")
+        input = input.contiguous()
+        probs = probs.contiguous() if probs is not None else None
+        if _wants_grad(input, probs):
+            return lt.sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs)
+        return ls_sort_chunks(input, split_sizes, sorted_idxs, probs)
+
+    return sort_chunks_by_idxs
+
+
+def _make_pad_routing_map(original, spec):
+    from .._moe import pad_routing_map as ls_pad
+
+    @functools.wraps(original)
+    def pad_routing_map(routing_map, pad_multiple):
+        if not _patching.is_active("moe"):
+            _patching.count(spec.name, reason="switched_off")
+            return original(routing_map, pad_multiple)
+        reason = _why_not([routing_map])
+        if reason is None and (routing_map.dtype != torch.bool or not routing_map.is_contiguous()):
+            reason = "non_bool_or_strided_map"
+        if reason is not None:
+            _patching.count(spec.name, reason=reason)
+            return original(routing_map, pad_multiple)
+        on_cpu = routing_map.device.type == "cpu"
+        _patching.count(spec.name, routing_map.device.type, "cpu" if on_cpu else "torch")
+        # The installed version mutates the caller's map (through a transposed
+        # view) and returns it: do the same, in place.
+        ls_pad(routing_map, int(pad_multiple), out=routing_map)
+        return routing_map
+
+    return pad_routing_map
+
+
+_PERMUTE_016 = [("tokens", EMPTY), ("routing_map", EMPTY), ("probs", None), ("num_out_tokens", None),
+                ("fused", False), ("drop_and_pad", False)]
+_UNPERMUTE_016 = [("permuted_tokens", EMPTY), ("sorted_indices", EMPTY), ("restore_shape", EMPTY),
+                  ("probs", None), ("routing_map", None), ("fused", False), ("drop_and_pad", False)]
+
+SPECS = [
+    Spec("permute", "moe", MOE_UTILS, "permute",
+         [Variant("0.16", _PERMUTE_016, _make_permute),
+          Variant("0.19", _PERMUTE_016 + [("tokens_per_expert", None), ("align_size", 0)],
+                  functools.partial(_make_permute, five_tuple=True))],
+         ALIAS_MODULES, requires_area="moe"),
+    Spec("unpermute", "moe", MOE_UTILS, "unpermute",
+         [Variant("0.16", _UNPERMUTE_016, _make_unpermute),
+          Variant("0.19", _UNPERMUTE_016 + [("pad_offsets", None)],
+                  functools.partial(_make_unpermute, with_pad_offsets=True))],
+         ALIAS_MODULES, requires_area="moe"),
+    Spec("sort_chunks_by_idxs", "moe", MOE_UTILS, "sort_chunks_by_idxs",
+         [Variant("0.16-0.19", [("input", EMPTY), ("split_sizes", EMPTY), ("sorted_idxs", EMPTY),
+                                ("probs", None), ("fused", False)], _make_sort_chunks_by_idxs)],
+         ALIAS_MODULES, requires_area="moe"),
+    Spec("pad_routing_map", "moe", MOE_UTILS, "pad_routing_map",
+         [Variant("0.16-0.19", [("routing_map", EMPTY), ("pad_multiple", EMPTY)],
+                  _make_pad_routing_map)],
+         ALIAS_MODULES, requires_area="moe"),
+]

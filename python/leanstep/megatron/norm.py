@@ -1,0 +1,50 @@
+"""RMSNorm patch: ``transformer.torch_norm.WrappedTorchNorm.__new__``.
+
+An RMSNorm it constructs becomes a :class:`leanstep.torch.RMSNorm` sharing
+the same weight Parameter (same state_dict keys and values: the checkpoint
+layout does not change). It takes leanstep's frozen path when the weight
+does not require a gradient (LoRA), on the CPU kernels or, on a device, the
+torch-op backend (dx only); a trainable weight runs torch's own forward.
+The module obeys the runtime switch: with the "rmsnorm" family inactive it
+runs torch's forward.
+"""
+
+import torch
+
+from . import _patching
+from ._patching import EMPTY, Spec, Variant
+
+TORCH_NORM = "megatron.core.transformer.torch_norm"
+
+
+def _rmsnorm_active():
+    return _patching.is_active("rmsnorm")
+
+
+def _make_wrapped_torch_norm_new(original, spec):
+    from .. import torch as lt
+
+    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+                zero_centered_gamma=False, normalization="LayerNorm"):
+        module = original(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma,
+                          normalization)
+        if type(module) is not torch.nn.RMSNorm:
+            _patching.count(spec.name, reason="not_rmsnorm")
+            return module
+        _patching.count(spec.name, module.weight.device.type if module.weight is not None
+                        else "cpu", "leanstep.torch.RMSNorm")
+        return lt.RMSNorm.from_torch(module, frozen_only=True, enabled=_rmsnorm_active)
+
+    __new__.__wrapped__ = original
+    __new__.__doc__ = original.__doc__
+    return __new__
+
+
+SPECS = [
+    Spec("WrappedTorchNorm", "rmsnorm", TORCH_NORM, "__new__",
+         [Variant("0.16-0.19", [("cls", EMPTY), ("config", EMPTY), ("hidden_size", EMPTY),
+                                ("eps", 1e-5), ("persist_layer_norm", False),
+                                ("zero_centered_gamma", False), ("normalization", "LayerNorm")],
+                  _make_wrapped_torch_norm_new)],
+         class_attr="WrappedTorchNorm", requires_area="rmsnorm"),
+]
