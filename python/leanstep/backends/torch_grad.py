@@ -261,6 +261,10 @@ def multi_tensor_scale(src, dst, scale, found_inf, device):
 
 
 def _scale_pairs(src, dst, scale, found_inf):
+    pairs = [(s, d) for s, d in zip(src, dst) if s.numel() > 0]  # shapes: host metadata
+    if not pairs:
+        return
+    src, dst = [s for s, _ in pairs], [d for _, d in pairs]
     # Sources in fp32 (fp32 math, as the CPU path: fp64 sources are scaled in fp32 too).
     staged = [s.to(torch.float32) if s.dtype != torch.float32 else s for s in src]
     maxabs = torch.stack(torch._foreach_norm(staged, float("inf")))
