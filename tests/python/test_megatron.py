@@ -2,6 +2,7 @@
 aliases get patched, idempotence, exact restore, refusal of a mismatched
 signature, and result parity with Megatron-Core's own functions on CPU."""
 
+import inspect
 import math
 import os
 import socket
@@ -26,6 +27,11 @@ import megatron.core.transformer.moe.moe_utils as moe_utils  # noqa: E402
 import megatron.core.transformer.moe.token_dispatcher as token_dispatcher  # noqa: E402
 import megatron.core.transformer.torch_norm as torch_norm  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+# 0.17 and later (Python >= 3.12): count_zeros_fp32 takes expert_tp_group and
+# returns an int; permute returns a 5-tuple and needs num_out_tokens.
+NEW_API = "expert_tp_group" in inspect.signature(clip_grads.count_zeros_fp32).parameters
+print(f"megatron-core {mcore.__version__}: {'0.17+ API' if NEW_API else '0.16 API'}")
 
 GRAD_FUNCS = ["get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32"]
 MOE_FUNCS = ["permute", "unpermute", "sort_chunks_by_idxs", "pad_routing_map"]
@@ -295,7 +301,7 @@ def test_count_zeros_matches_megatron(patched, megatron_on_cpu, torch_gen):
     params.append(Param(None))
     theirs = ORIGINALS["count_zeros_fp32"](params, world, tp_group=world)
     ours = optimizer.count_zeros_fp32(params, grad_stats_parallel_group=world, tp_group=world)
-    assert type(ours) is type(theirs) is float
+    assert type(ours) is type(theirs) is (int if NEW_API else float)
     assert ours == theirs == sum(g.numel() - int(g.count_nonzero()) for i, g in enumerate(grads) if i != 2)
 
 
@@ -321,14 +327,19 @@ def routing(T, E, k, gen):
 def test_permute_unpermute_match_megatron(dtype, drop_and_pad, patched, torch_gen):
     T, E, k, H = 48, 8, 2, 32
     routing_map, probs = routing(T, E, k, torch_gen)
-    num_out = E * 10 if drop_and_pad else None
+    # 0.17+ requires num_out_tokens on the plain path (0.16 ignores it there).
+    num_out = E * 10 if drop_and_pad else (int(routing_map.sum()) if NEW_API else None)
     tokens = randn((T, H), dtype, torch_gen)
     t_ours, p_ours = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
     t_theirs, p_theirs = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
 
     ours = token_dispatcher.permute(t_ours, routing_map, p_ours, num_out, drop_and_pad=drop_and_pad)
     theirs = ORIGINALS["permute"](t_theirs, routing_map, p_theirs, num_out, drop_and_pad=drop_and_pad)
+    assert len(ours) == len(theirs) == (5 if NEW_API else 3)
     for a, b in zip(ours, theirs):
+        if b is None:
+            assert a is None
+            continue
         assert a.dtype == b.dtype and torch.equal(a, b)  # a gather: bit-exact
 
     out_ours = token_dispatcher.unpermute(ours[0], ours[2], tokens.shape, probs=p_ours,
@@ -470,3 +481,194 @@ def test_a_megatron_gpt_model_gets_leanstep_norms_with_the_same_checkpoint_layou
         assert {m.last_decision["path"] for m in norms} == {"frozen_fused"}
     finally:
         parallel_state.destroy_model_parallel()
+
+
+# ---------------------------------------------------------------- both versions: every patch applies
+
+
+def test_every_patch_applies_on_the_installed_version(patched):
+    r = lm.report()
+    assert r["skipped"] == {}, r["skipped"]
+    assert sorted(r["installed"]) == sorted(s.name for s in lm.PATCHES)
+    expected = {"count_zeros_fp32": "0.19" if NEW_API else "0.16",
+                "permute": "0.19" if NEW_API else "0.16",
+                "unpermute": "0.19" if NEW_API else "0.16"}
+    for name, label in expected.items():
+        assert r["variants"][name] == label
+
+
+# ---------------------------------------------------------------- device tensors: no delegation
+
+
+@pytest.fixture
+def no_collectives(monkeypatch):
+    """Meta tensors cannot go through gloo: the all-reduces are recorded instead."""
+    seen = []
+    monkeypatch.setattr(torch.distributed, "all_reduce",
+                        lambda t, op=None, group=None, async_op=False: seen.append((t.device, op)))
+    return seen
+
+
+def test_device_grads_take_the_device_backend(patched, no_collectives, monkeypatch):
+    monkeypatch.setattr(clip_grads, "multi_tensor_scale_tensor_impl", object(), raising=False)
+    buf = torch.empty(1000, device="meta")
+    grads = [buf[:300], buf[300:700].view(20, 20), buf[700:]]
+    norm = optimizer.get_grad_norm_fp32(grads)
+    assert isinstance(norm, torch.Tensor) and norm.device.type == "meta"
+    params = [Param(g) for g in grads]
+    clip_grads.clip_grad_by_total_norm_fp32(params, 1.0, norm)
+    calls = lm.report()["calls"]
+    assert calls["get_grad_norm_fp32"]["paths"] == {"torch:meta": 1}
+    assert calls["clip_grad_by_total_norm_fp32"]["paths"] == {"torch:meta": 1}
+    assert calls["get_grad_norm_fp32"]["delegated"] == {}
+    assert [op for _, op in no_collectives] == [torch.distributed.ReduceOp.SUM]
+
+
+def test_patched_norm_and_clip_on_the_lora_layout_are_sync_free(patched, no_collectives,
+                                                                 monkeypatch):
+    from leanstep._grad import ddp_grad_buffers
+
+    monkeypatch.setattr(clip_grads, "multi_tensor_scale_tensor_impl", object(), raising=False)
+    _, grads, _ = ddp_grad_buffers(leanstep.model_params("qwen3_omni_lora"),
+                                   distributed_optimizer=True, dp_size=8, device="meta")
+    params = [Param(g) for g in grads]
+    optimizer.get_grad_norm_fp32(grads)  # builds the plan once
+    with leanstep.audit() as a:
+        norm = optimizer.get_grad_norm_fp32(grads)
+        clip_grads.clip_grad_by_total_norm_fp32(params, 1.0, norm)
+    assert a.num_syncs == 0 and a.num_host_reads == 0, a.format_table()
+    assert a.num_ops <= 16, f"{a.num_ops} aten ops:\n{a.format_table()}"
+
+
+def test_a_float_returning_version_keeps_exactly_one_host_read(patched, no_collectives):
+    grads = [torch.randn(50), torch.randn(7)]
+    optimizer.get_grad_norm_fp32(grads)
+    with leanstep.audit() as a:
+        out = optimizer.get_grad_norm_fp32(grads)
+    assert type(out) is float
+    assert a.num_host_reads == 1, a.format_table()  # the float the API returns
+    assert "returns a Python float" in lm.report()["host_reads"]["get_grad_norm_fp32"]
+
+
+# ---------------------------------------------------------------- runtime switch
+
+
+def test_families_switch_at_run_time_without_reinstalling(patched, megatron_on_cpu, torch_gen):
+    _, grads = make_buffer_grads(torch_gen)
+    try:
+        lm.set_active(["moe", "rmsnorm"])
+        optimizer.get_grad_norm_fp32(grads)
+        lm.set_active("all")
+        optimizer.get_grad_norm_fp32(grads)
+        lm.set_active("baseline")
+        assert lm.active() == []
+        optimizer.get_grad_norm_fp32(grads)
+    finally:
+        lm.set_active("all")
+    calls = lm.report()["calls"]["get_grad_norm_fp32"]
+    assert calls["leanstep"] == 1 and calls["delegated"] == {"switched_off": 2}
+    with pytest.raises(leanstep.Error, match=r"'families' must name grad, moe, rmsnorm.*nope"):
+        lm.set_active(["nope"])
+
+
+def test_the_rmsnorm_a_patch_builds_obeys_the_switch(patched):
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                               normalization="RMSNorm")
+    norm = torch_norm.WrappedTorchNorm(config=config, hidden_size=32)
+    norm.weight.requires_grad_(False)
+    x = torch.randn(3, 32)
+    norm(x)
+    assert norm.last_decision["path"] == "frozen_fused"
+    try:
+        lm.set_active(["grad"])
+        y = norm(x)
+        assert norm.last_decision == {"path": "torch", "reason": "switched_off"}
+        assert torch.equal(y, torch.nn.functional.rms_norm(x, (32,), norm.weight, norm.eps))
+    finally:
+        lm.set_active("all")
+
+
+# ---------------------------------------------------------------- install errors and restores
+
+
+def test_unknown_patch_names_are_an_error():
+    with pytest.raises(leanstep.Error, match=r"unknown patches 'nope'.*known: get_grad_norm_fp32"):
+        lm.install(patches=["nope"])
+    with pytest.raises(leanstep.Error, match=r"unknown patches 'nope'"):
+        lm.uninstall(patches="nope")
+    assert lm.installed() == []
+
+
+def test_uninstall_leaves_a_later_third_party_patch_in_place():
+    lm.install(patches=["get_grad_norm_fp32"])
+    try:
+        def theirs(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
+            return 0.0
+
+        optimizer.get_grad_norm_fp32 = theirs
+        lm.uninstall()
+        assert optimizer.get_grad_norm_fp32 is theirs  # not overwritten
+        assert clip_grads.get_grad_norm_fp32 is ORIGINALS["get_grad_norm_fp32"]
+        assert any("left megatron.core.optimizer.optimizer.get_grad_norm_fp32 as is" in note
+                   for note in lm.report()["notes"]["get_grad_norm_fp32"])
+    finally:
+        optimizer.get_grad_norm_fp32 = ORIGINALS["get_grad_norm_fp32"]
+
+
+def test_a_reloaded_module_is_patched_again_by_install():
+    import importlib
+
+    lm.install(patches=["pad_routing_map"])
+    try:
+        importlib.reload(moe_utils)  # puts fresh originals into the home module
+        assert getattr(moe_utils.pad_routing_map, "__leanstep_original__", None) is None
+        lm.install(patches=["pad_routing_map"])
+        assert moe_utils.pad_routing_map.__leanstep_original__ is not None
+        assert "pad_routing_map" in lm.installed()
+    finally:
+        lm.uninstall()
+        importlib.reload(moe_utils)
+        for mod in EXPECTED_ALIASES["pad_routing_map"]:
+            mod.pad_routing_map = ORIGINALS["pad_routing_map"]
+        for name in MOE_FUNCS:
+            moe_utils.__dict__[name] = ORIGINALS[name]
+
+
+# ---------------------------------------------------------------- unscale + found_inf
+
+
+class _FakeMixedPrecisionOptimizer:
+    """The attributes _unscale_main_grads_and_check_for_nan reads."""
+
+    def __init__(self, grads, inv_scale):
+        self.is_stub_optimizer = False
+        self.found_inf = torch.zeros(1)
+        self.grad_scaler = types.SimpleNamespace(inv_scale=torch.tensor([inv_scale]))
+        self._grads = grads
+
+    def _collect_main_grad_data_for_unscaling(self):
+        return [g.data for g in self._grads]  # new tensor objects each call, as Megatron's
+
+    def get_grad_stats_parallel_group(self):
+        return None
+
+
+@pytest.mark.parametrize("bad", [None, math.inf, math.nan])
+def test_unscale_and_found_inf_match_the_original(patched, torch_gen, bad):
+    cls = optimizer.MixedPrecisionOptimizer
+    buf = randn((500,), torch.float32, torch_gen, scale=1e3)
+    if bad is not None:
+        buf[123] = bad
+    ours_buf, theirs_buf = buf.clone(), buf.clone()
+    ours = _FakeMixedPrecisionOptimizer([ours_buf[:200], ours_buf[200:]], 1 / 1024)
+    theirs = _FakeMixedPrecisionOptimizer([theirs_buf[:200], theirs_buf[200:]], 1 / 1024)
+    with leanstep.audit() as a:
+        flag = cls._unscale_main_grads_and_check_for_nan(ours)
+    expected = cls._unscale_main_grads_and_check_for_nan.__leanstep_original__(theirs)
+    assert flag is expected is (bad is not None)
+    assert torch.equal(ours_buf.nan_to_num(), theirs_buf.nan_to_num())
+    assert ours.found_inf.item() == theirs.found_inf.item()
+    assert a.num_host_reads == 1  # the Python bool the optimizer's step branches on
+    calls = lm.report()["calls"]["unscale_and_check_for_nan"]
+    assert calls["paths"] == {"cpu:cpu": 1}
+    assert "Python bool" in lm.report()["host_reads"]["unscale_and_check_for_nan"]

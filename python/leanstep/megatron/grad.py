@@ -173,7 +173,9 @@ def _make_clip_grad_by_total_norm_fp32(original, spec):
             return None
         if isinstance(total_norm, torch.Tensor):
             # A norm that stayed on the device: coefficient from it, no host read.
-            norm = total_norm.detach().reshape(1)
+            norm = total_norm.detach() if total_norm.requires_grad else total_norm
+            if norm.shape != (1,):
+                norm = norm.reshape(1)
             if norm.dtype != torch.float32:
                 norm = norm.to(torch.float32)
             plan.clip_(float(max_norm), norm)
