@@ -3,11 +3,16 @@
 BUILD   := build
 VENV    := $(BUILD)/venv
 PY      := $(VENV)/bin/python
+# The second Megatron-Core line (0.17+, tested with 0.19.2) needs Python 3.12.
+VENV312 := $(BUILD)/venv312
+PY312   := $(VENV312)/bin/python
+PYTHON312 := $(shell scripts/find-python312.sh)
 JOBS    ?= $(shell nproc)
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: all sysdeps pydeps build python test test-cpp test-python test-asan test-tsan demo bench clean
+.PHONY: all sysdeps pydeps pydeps312 build python python312 test test-cpp test-python \
+        test-python312 test-asan test-tsan demo bench clean
 
 all: build
 
@@ -20,6 +25,18 @@ $(VENV)/.installed: requirements-dev.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+# megatron-core 0.19.2 in a Python 3.12 venv, when this machine has a 3.12.
+pydeps312: sysdeps
+ifneq ($(PYTHON312),)
+	@$(MAKE) --no-print-directory $(VENV312)/.installed
+endif
+
+$(VENV312)/.installed: requirements-mcore019.txt
+	$(PYTHON312) -m venv $(VENV312)
+	$(PY312) -m pip install -q --upgrade pip
+	$(PY312) -m pip install -q -r requirements-mcore019.txt
 	touch $@
 
 build: sysdeps
@@ -37,7 +54,21 @@ test-cpp: build
 test-python: python
 	$(PY) -m pytest -q tests/python
 
-test: test-cpp test-python
+python312: pydeps312
+ifneq ($(PYTHON312),)
+	$(PY312) -m pip install -q --no-build-isolation .
+endif
+
+# The whole Python suite again on Python 3.12 with megatron-core 0.19.2. A
+# machine without a Python 3.12 cannot test the 0.17+ line: it says so.
+test-python312: python312
+ifneq ($(PYTHON312),)
+	$(PY312) -m pytest -q tests/python
+else
+	@echo "NOT TESTED: megatron-core 0.17+ (no Python 3.12 on this machine; install one, e.g. with pyenv)"
+endif
+
+test: test-cpp test-python test-python312
 
 test-asan: sysdeps
 	cmake --preset asan >/dev/null

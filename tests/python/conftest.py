@@ -22,7 +22,17 @@ SEED = _session_seed()
 
 
 def pytest_report_header(config):
-    return f"leanstep test seed: {SEED} (replay with LEANSTEP_TEST_SEED={SEED})"
+    import sys
+
+    lines = [f"leanstep test seed: {SEED} (replay with LEANSTEP_TEST_SEED={SEED})"]
+    try:
+        from importlib.metadata import version
+
+        lines.append(f"Python {sys.version.split()[0]}, torch {version('torch')}, "
+                     f"megatron-core {version('megatron-core')}")
+    except Exception as e:  # noqa: BLE001 - a header, never a failure
+        lines.append(f"Python {sys.version.split()[0]} (versions unknown: {e})")
+    return lines
 
 
 @pytest.fixture
