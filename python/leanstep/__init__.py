@@ -14,6 +14,7 @@ Submodules: ``leanstep.torch`` (autograd-aware modules and functions) and
 from . import _leanstep
 from ._leanstep import Error, counters, data_ptr, describe, measure_bandwidth, num_threads
 from ._leanstep import read_scalar, reset_counters, set_num_threads
+from ._dispatch import format_paths, paths, preset, reset_paths, set_preset
 
 Error.__module__ = "leanstep"
 __version__ = _leanstep.__version__
@@ -32,6 +33,11 @@ __all__ = [
     "read_scalar",
     "reset_counters",
     "set_num_threads",
+    "set_preset",
+    "preset",
+    "paths",
+    "format_paths",
+    "reset_paths",
 ]
 
 if "grad" in areas:

@@ -1,5 +1,7 @@
 // The gradient engine (Plan, norm / unscale / clip / count_zeros,
-// multi_tensor_scale) and the Megatron-Core DDP buffer layout builder.
+// multi_tensor_scale) and the Megatron-Core DDP buffer layout builder. The
+// operations call through the dispatch registry (leanstep/ops.h), so the
+// preset and the `leanstep paths` report cover Python callers too.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -14,6 +16,7 @@
 
 #include <leanstep/grad.h>
 #include <leanstep/layout.h>
+#include <leanstep/ops.h>
 
 #include "arrays.h"
 #include "bindings.h"
@@ -133,7 +136,7 @@ void bind_grad(nb::module_& m) {
             const Tensor nt = to_tensor(out_norm, "out_norm");
             const std::optional<Tensor> ft = to_tensor(found_inf, "found_inf");
             nb::gil_scoped_release release;
-            grad::norm(p, nt, norm_type, ptr(ft));
+            ops::grad_norm(p, nt, norm_type, ptr(ft));
           },
           nb::arg("out_norm"), nb::arg("norm_type") = 2.0,
           nb::arg("found_inf").none() = nb::none())
@@ -145,7 +148,7 @@ void bind_grad(nb::module_& m) {
             const Tensor nt = to_tensor(out_norm, "out_norm");
             const Tensor ft = to_tensor(found_inf, "found_inf");
             nb::gil_scoped_release release;
-            grad::unscale_norm(p, st, nt, ft, norm_type);
+            ops::grad_unscale_norm(p, st, nt, ft, norm_type);
           },
           nb::arg("inv_scale"), nb::arg("out_norm"), nb::arg("found_inf"),
           nb::arg("norm_type") = 2.0)
@@ -156,7 +159,9 @@ void bind_grad(nb::module_& m) {
             const Tensor nt = to_tensor(out_norm, "out_norm");
             const Tensor ft = to_tensor(found_inf, "found_inf");
             nb::gil_scoped_release release;
-            grad::unscale_norm(p, inv_scale, nt, ft, norm_type);
+            float scale_storage = inv_scale;  // the op takes the scale as backend memory
+            ops::grad_unscale_norm(p, Tensor(&scale_storage, DType::kFloat32, {1}), nt, ft,
+                                   norm_type);
           },
           nb::arg("inv_scale"), nb::arg("out_norm"), nb::arg("found_inf"),
           nb::arg("norm_type") = 2.0)
@@ -167,7 +172,7 @@ void bind_grad(nb::module_& m) {
             const Tensor nt = to_tensor(total_norm, "norm");
             const std::optional<Tensor> ct = to_tensor(out_coeff, "out_coeff");
             nb::gil_scoped_release release;
-            grad::clip(p, nt, max_norm, ptr(ct));
+            ops::grad_clip(p, nt, max_norm, ptr(ct));
           },
           nb::arg("total_norm"), nb::arg("max_norm"), nb::arg("out_coeff").none() = nb::none())
       .def(
@@ -178,7 +183,7 @@ void bind_grad(nb::module_& m) {
             const std::optional<Tensor> ft = to_tensor(found_inf, "found_inf");
             const std::optional<Tensor> ct = to_tensor(out_coeff, "out_coeff");
             nb::gil_scoped_release release;
-            grad::norm_clip(p, max_norm, nt, norm_type, ptr(ft), ptr(ct));
+            ops::grad_norm_clip(p, max_norm, nt, norm_type, ptr(ft), ptr(ct));
           },
           nb::arg("max_norm"), nb::arg("out_norm"), nb::arg("norm_type") = 2.0,
           nb::arg("found_inf").none() = nb::none(), nb::arg("out_coeff").none() = nb::none())
@@ -187,7 +192,7 @@ void bind_grad(nb::module_& m) {
           [](const grad::Plan& p, InArray scale) {
             const Tensor st = to_tensor(scale, "scale");
             nb::gil_scoped_release release;
-            grad::scale(p, st);
+            ops::grad_scale(p, st);
           },
           nb::arg("scale"))
       .def(
@@ -195,7 +200,7 @@ void bind_grad(nb::module_& m) {
           [](const grad::Plan& p, OutArray out_count) {
             const Tensor ct = to_tensor(out_count, "out_count");
             nb::gil_scoped_release release;
-            grad::count_zeros(p, ct);
+            ops::grad_count_zeros(p, ct);
           },
           nb::arg("out_count"));
 
@@ -207,7 +212,7 @@ void bind_grad(nb::module_& m) {
         const std::vector<Tensor> out = to_tensors(dst, "dst");
         const Tensor st = to_tensor(scale, "scale"), ft = to_tensor(found_inf, "found_inf");
         nb::gil_scoped_release release;
-        grad::multi_tensor_scale(in, out, st, ft);
+        ops::grad_multi_tensor_scale(in, out, st, ft);
       },
       nb::arg("src"), nb::arg("dst"), nb::arg("scale"), nb::arg("found_inf"));
   m.def(
@@ -218,7 +223,8 @@ void bind_grad(nb::module_& m) {
         const std::vector<Tensor> out = to_tensors(dst, "dst");
         const Tensor ft = to_tensor(found_inf, "found_inf");
         nb::gil_scoped_release release;
-        grad::multi_tensor_scale(in, out, scale, ft);
+        float scale_storage = scale;
+        ops::grad_multi_tensor_scale(in, out, Tensor(&scale_storage, DType::kFloat32, {1}), ft);
       },
       nb::arg("src"), nb::arg("dst"), nb::arg("scale"), nb::arg("found_inf"));
 

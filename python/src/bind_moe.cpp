@@ -10,6 +10,7 @@
 #include <nanobind/stl/string.h>
 
 #include <leanstep/moe.h>
+#include <leanstep/ops.h>
 
 #include "arrays.h"
 #include "bindings.h"
@@ -83,6 +84,11 @@ void bind_moe(nb::module_& m) {
         const Tensor outt = to_tensor(permuted, "permuted");
         const std::optional<Tensor> outp = to_tensor(permuted_probs, "permuted_probs");
         const Tensor st = to_tensor(sorted_indices, "sorted_indices");
+        if (method == "auto") {  // the registry chooses (preset, guards, counts)
+          nb::gil_scoped_release release;
+          ops::moe_permute(tt, mt, ptr(pt), num_out_tokens, drop_and_pad, outt, ptr(outp), st);
+          return;
+        }
         const moe::Method mth = moe::method_from_name(method);
         nb::gil_scoped_release release;
         moe::permute(tt, mt, ptr(pt), num_out_tokens, drop_and_pad, mth, outt, ptr(outp), st);
@@ -100,6 +106,11 @@ void bind_moe(nb::module_& m) {
         const Tensor ot = to_tensor(out, "out");
         const std::optional<Tensor> prt = to_tensor(probs, "probs");
         const std::optional<Tensor> mt = to_tensor(routing_map, "routing_map");
+        if (method == "auto") {
+          nb::gil_scoped_release release;
+          ops::moe_unpermute(pt, st, ot, ptr(prt), ptr(mt), drop_and_pad);
+          return;
+        }
         const moe::Method mth = moe::method_from_name(method);
         nb::gil_scoped_release release;
         moe::unpermute(pt, st, ot, ptr(prt), ptr(mt), drop_and_pad, mth);
@@ -113,6 +124,11 @@ void bind_moe(nb::module_& m) {
         const Tensor dp = to_tensor(dpermuted, "dpermuted");
         const Tensor st = to_tensor(sorted_indices, "sorted_indices");
         const Tensor dt = to_tensor(dtokens, "dtokens");
+        if (method == "auto") {
+          nb::gil_scoped_release release;
+          ops::moe_permute_backward(dp, st, dt);
+          return;
+        }
         const moe::Method mth = moe::method_from_name(method);
         nb::gil_scoped_release release;
         moe::permute_backward(dp, st, dt, mth);
@@ -144,6 +160,11 @@ void bind_moe(nb::module_& m) {
         const std::optional<Tensor> mt = to_tensor(routing_map, "routing_map");
         const Tensor dpt = to_tensor(dpermuted, "dpermuted");
         const std::optional<Tensor> dprt = to_tensor(dprobs, "dprobs");
+        if (method == "auto") {
+          nb::gil_scoped_release release;
+          ops::moe_unpermute_backward(dt, pt, st, ptr(prt), ptr(mt), drop_and_pad, dpt, ptr(dprt));
+          return;
+        }
         const moe::Method mth = moe::method_from_name(method);
         nb::gil_scoped_release release;
         moe::unpermute_backward(dt, pt, st, ptr(prt), ptr(mt), drop_and_pad, mth, dpt, ptr(dprt));

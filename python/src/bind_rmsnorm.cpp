@@ -7,6 +7,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include <leanstep/ops.h>
 #include <leanstep/rmsnorm.h>
 
 #include "arrays.h"
@@ -90,8 +91,7 @@ void bind_rmsnorm(nb::module_& m) {
       nb::arg("dweight").none(), nb::arg("eps"), nb::arg("zero_centered_gamma") = false,
       nb::arg("impl") = "fused");
 
-  // Routed entry points: the same kernels, with the frozen-path decision
-  // recorded in the path statistics and returned as a dict.
+  // Routed entry points: through the dispatch registry, the decision returned as a dict.
   m.def(
       "rmsnorm_forward_routed",
       [](InArray x, InArray gamma, OutArray y, OutArray rstd, double eps, bool zero_centered_gamma,
@@ -103,12 +103,13 @@ void bind_rmsnorm(nb::module_& m) {
         const rmsnorm::CallContext context =
             make_context(weight_requires_grad, fp8_output, autocast, activation_offload,
                          debug_hooks, compiled_or_captured, user_subclass);
-        rmsnorm::Decision decision;
+        // Through the registry: the preset, the guards (rmsnorm::decide) and
+        // the `leanstep paths` counts apply to Python callers as to C++ ones.
         {
           nb::gil_scoped_release release;
-          decision = rmsnorm::forward(xt, gt, yt, rt, options, context);
+          ops::rmsnorm_forward(xt, gt, yt, rt, options, context);
         }
-        return decision_dict(decision);
+        return decision_dict(rmsnorm::decide(context));
       },
       nb::arg("x"), nb::arg("weight"), nb::arg("y"), nb::arg("rstd"), nb::arg("eps"),
       nb::arg("zero_centered_gamma") = false, nb::arg("rounding") = "scale_then_cast",
@@ -131,13 +132,11 @@ void bind_rmsnorm(nb::module_& m) {
         const rmsnorm::CallContext context =
             make_context(weight_requires_grad, fp8_output, autocast, activation_offload,
                          debug_hooks, compiled_or_captured, user_subclass);
-        rmsnorm::Decision decision;
         {
           nb::gil_scoped_release release;
-          decision = rmsnorm::backward(dyt, xt, rt, gt, dxt, dgt ? &*dgt : nullptr, options,
-                                       context);
+          ops::rmsnorm_backward(dyt, xt, rt, gt, dxt, dgt ? &*dgt : nullptr, options, context);
         }
-        return decision_dict(decision);
+        return decision_dict(rmsnorm::decide(context));
       },
       nb::arg("dy"), nb::arg("x"), nb::arg("rstd"), nb::arg("weight"), nb::arg("dx"),
       nb::arg("dweight").none(), nb::arg("eps"), nb::arg("zero_centered_gamma") = false,

@@ -14,7 +14,7 @@ import inspect
 import sys
 import threading
 
-from .. import _leanstep
+from .. import _dispatch, _leanstep
 from .._leanstep import Error
 
 EMPTY = inspect.Parameter.empty
@@ -41,10 +41,11 @@ class Spec:
     method of that class), the variants it supports, the modules known to
     import it by name, and its family (for the runtime switch)."""
 
-    def __init__(self, name, family, home, attr, variants, alias_modules=(), class_attr=None,
+    def __init__(self, name, op, home, attr, variants, alias_modules=(), class_attr=None,
                  requires_area=None, host_read=None):
         self.name = name
-        self.family = family
+        self.op = op  # its name in the op vocabulary: the preset switches it
+        self.family = op.split(".", 1)[0]
         self.home = home
         self.attr = attr
         self.variants = variants
@@ -77,7 +78,6 @@ def match_variant(func, spec):
 _lock = threading.RLock()
 _calls = collections.defaultdict(lambda: {"leanstep": collections.Counter(),
                                           "delegated": collections.Counter()})
-_active = set(FAMILIES)
 
 
 def count(name, device_type=None, backend=None, reason=None):
@@ -91,36 +91,36 @@ def count(name, device_type=None, backend=None, reason=None):
             entry["delegated"][reason] += 1
 
 
-def is_active(family):
-    return family in _active
+def is_active(spec):
+    """Whether the preset enables this patch's op (else the original runs)."""
+    return _dispatch.op_enabled(spec.op)
 
 
 def set_active(families):
     """Switches patch families on or off at run time, without reinstalling:
     ``set_active(["grad"])`` runs leanstep for the gradient functions only;
-    an inactive family's replacements call the originals (counted as
-    delegated, reason "switched_off"). ``None`` or ``"all"``: every family;
-    ``[]`` or ``"baseline"``: none."""
+    an inactive patch calls the original (counted as delegated, reason
+    "switched_off"). ``None`` or ``"all"``: every family; ``[]`` or
+    ``"baseline"``: none. This IS the process-wide preset
+    (:func:`leanstep.set_preset`), which also switches the CPU kernels."""
     if families is None or families == "all":
-        wanted = set(FAMILIES)
-    elif families == "baseline":
-        wanted = set()
-    else:
-        if isinstance(families, str):
-            families = [families]
-        wanted = set(families)
-        unknown = sorted(wanted - set(FAMILIES))
-        if unknown:
-            raise Error(f"leanstep.megatron.set_active: argument 'families' must name "
-                        f"{', '.join(FAMILIES)} (got unknown {', '.join(unknown)})")
-    with _lock:
-        _active.clear()
-        _active.update(wanted)
+        _dispatch.set_preset("all")
+        return
+    if families == "baseline":
+        _dispatch.set_preset("baseline")
+        return
+    if isinstance(families, str):
+        families = [families]
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        raise Error(f"leanstep.megatron.set_active: argument 'families' must name "
+                    f"{', '.join(FAMILIES)} (got unknown {', '.join(unknown)})")
+    _dispatch.set_preset(",".join(sorted(set(families))) or "baseline")
 
 
 def active():
-    with _lock:
-        return sorted(_active)
+    """The families whose ops the preset enables (all of them or some)."""
+    return [f for f in FAMILIES if _dispatch.op_enabled(f)]
 
 
 # ---------------------------------------------------------------- install / uninstall
@@ -137,7 +137,13 @@ class _Installed:
 
 _installed = {}
 _skipped = {}
-_notes = collections.defaultdict(list)
+_notes = collections.defaultdict(list)  # events: reloads, third-party patches
+_alias_notes = {}
+
+
+def _note(name, text):
+    if text not in _notes[name]:
+        _notes[name].append(text)
 
 
 def _import(name):
@@ -194,10 +200,14 @@ def _prepare(spec):
     variant, mismatch = match_variant(original, spec)
     if mismatch:
         return None, mismatch
+    alias_notes = []
     for alias_module in spec.alias_modules:
         mod, err = _import(alias_module)
-        if mod is None:
-            _notes[spec.name].append(f"{alias_module} not importable ({err})")
+        if mod is None and not err.startswith("ModuleNotFoundError"):
+            # A module of this version that failed to import (a module that
+            # does not exist in this version is no news).
+            alias_notes.append(f"{alias_module} not importable ({err})")
+    _alias_notes[spec.name] = alias_notes
     targets = [(home, spec.attr, original, f"{spec.home}.{spec.attr}")]
     for mod, mod_name in _find_aliases(original, spec.attr, home):
         targets.append((mod, spec.attr, original, f"{mod_name}.{spec.attr}"))
@@ -273,8 +283,8 @@ def install(patches_table, patches=None):
                 # The home module was reloaded (or the target replaced): the
                 # recorded state is stale; patch what is there now.
                 _installed.pop(spec.name)
-                _notes[spec.name].append("re-applied: the target no longer held the "
-                                         "replacement (module reloaded or replaced)")
+                _note(spec.name, "re-applied: the target no longer held the replacement "
+                                 "(module reloaded or replaced)")
             _apply(spec, patches_table)
 
 
@@ -302,8 +312,7 @@ def uninstall(patches_table, patches=None):
                     _set(owner, attr, stored)
                 else:
                     # Someone patched over us after install: theirs stays.
-                    _notes[name].append(f"left {label} as is: replaced by another patch after "
-                                        f"install")
+                    _note(name, f"left {label} as is: replaced by another patch after install")
         for name in list(_skipped):
             if names is None or name in names:
                 _skipped.pop(name)
@@ -330,11 +339,14 @@ def report(patches_table):
     with _lock:
         return {
             "megatron_core_version": version,
-            "active_families": sorted(_active),
+            "preset": _dispatch.preset(),
+            "active_families": active(),
             "installed": {n: [label for *_, label in d.targets] for n, d in _installed.items()},
             "variants": {n: d.variant.label for n, d in _installed.items()},
             "skipped": dict(_skipped),
-            "notes": {n: list(v) for n, v in _notes.items() if v},
+            "notes": {n: list(_alias_notes.get(n, [])) + list(_notes.get(n, []))
+                      for n in set(_notes) | set(_alias_notes)
+                      if _alias_notes.get(n) or _notes.get(n)},
             "host_reads": {s.name: s.host_read for s in patches_table
                            if s.host_read and s.name in _installed},
             "calls": {n: {"leanstep": sum(c["leanstep"].values()),
@@ -346,7 +358,7 @@ def report(patches_table):
 def format_report(patches_table):
     r = report(patches_table)
     lines = [f"leanstep.megatron on megatron-core {r['megatron_core_version']} "
-             f"(active: {', '.join(r['active_families']) or 'none'})"]
+             f"(preset {r['preset']})"]
     for spec in patches_table:
         name = spec.name
         if name in r["installed"]:

@@ -112,7 +112,7 @@ def _make_get_grad_norm_fp32(original, spec):
 
     @functools.wraps(original)
     def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
-        if not _patching.is_active("grad"):
+        if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return original(grads_for_norm, norm_type, grad_stats_parallel_group)
         grads = [grads_for_norm] if isinstance(grads_for_norm, torch.Tensor) else list(grads_for_norm)
@@ -149,7 +149,7 @@ def _make_get_grad_norm_fp32(original, spec):
 def _make_clip_grad_by_total_norm_fp32(original, spec):
     @functools.wraps(original)
     def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
-        if not _patching.is_active("grad"):
+        if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return original(parameters, max_norm, total_norm, use_decoupled_grad)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -220,7 +220,7 @@ def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
         return selected, None
 
     def run(params, group, attr, tp_group, expert_tp_group, call_original):
-        if not _patching.is_active("grad"):
+        if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return call_original()
         selected, reason = select(params, attr, tp_group, expert_tp_group)
@@ -270,7 +270,7 @@ def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
 def _make_unscale_and_check(original, spec):
     @functools.wraps(original)
     def _unscale_main_grads_and_check_for_nan(self):
-        if not _patching.is_active("grad"):
+        if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return original(self)
         stub = getattr(self, "is_stub_optimizer", False)
@@ -298,19 +298,19 @@ def _make_unscale_and_check(original, spec):
 
 
 SPECS = [
-    Spec("get_grad_norm_fp32", "grad", CLIP_GRADS, "get_grad_norm_fp32",
+    Spec("get_grad_norm_fp32", "grad.norm", CLIP_GRADS, "get_grad_norm_fp32",
          [Variant("0.16-0.19", [("grads_for_norm", EMPTY), ("norm_type", 2),
                                 ("grad_stats_parallel_group", None)],
                   _make_get_grad_norm_fp32)],
          ALIAS_MODULES, requires_area="grad",
          host_read="returns a Python float where the installed version does (0.16; 0.19 "
                    "without Transformer Engine; every inf-norm)"),
-    Spec("clip_grad_by_total_norm_fp32", "grad", CLIP_GRADS, "clip_grad_by_total_norm_fp32",
+    Spec("clip_grad_by_total_norm_fp32", "grad.clip", CLIP_GRADS, "clip_grad_by_total_norm_fp32",
          [Variant("0.16-0.19", [("parameters", EMPTY), ("max_norm", EMPTY),
                                 ("total_norm", EMPTY), ("use_decoupled_grad", False)],
                   _make_clip_grad_by_total_norm_fp32)],
          ALIAS_MODULES, requires_area="grad"),
-    Spec("count_zeros_fp32", "grad", CLIP_GRADS, "count_zeros_fp32",
+    Spec("count_zeros_fp32", "grad.count_zeros", CLIP_GRADS, "count_zeros_fp32",
          [Variant("0.16", [("parameters", EMPTY), ("grad_stats_parallel_group", EMPTY),
                            ("use_decoupled_grad", False), ("tp_group", None)],
                   _make_count_zeros_fp32),
@@ -320,7 +320,7 @@ SPECS = [
                   functools.partial(_make_count_zeros_fp32, with_expert_tp=True))],
          ALIAS_MODULES, requires_area="grad",
          host_read="returns a Python number (the installed API)"),
-    Spec("unscale_and_check_for_nan", "grad", OPTIMIZER, "_unscale_main_grads_and_check_for_nan",
+    Spec("unscale_and_check_for_nan", "grad.unscale_norm", OPTIMIZER, "_unscale_main_grads_and_check_for_nan",
          [Variant("0.16-0.19", [("self", EMPTY)], _make_unscale_and_check)],
          class_attr="MixedPrecisionOptimizer", requires_area="grad",
          host_read="found_inf as a Python bool: the optimizer's step branches on it"),

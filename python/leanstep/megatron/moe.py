@@ -67,7 +67,7 @@ def _make_permute(original, spec, five_tuple=False):
     from .._moe import moe_permute
 
     def run(tokens, routing_map, probs, num_out_tokens, fused, drop_and_pad, call_original):
-        if not _patching.is_active("moe"):
+        if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return None, call_original()
         reason = "fused" if fused else _why_not([tokens, routing_map, probs])
@@ -137,7 +137,7 @@ def _make_unpermute(original, spec, with_pad_offsets=False):
 
     def run(permuted_tokens, sorted_indices, restore_shape, probs, routing_map, fused,
             drop_and_pad, pad_offsets, call_original):
-        if not _patching.is_active("moe"):
+        if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return call_original()
         reason = "fused" if fused else _why_not([permuted_tokens, sorted_indices, probs,
@@ -195,7 +195,7 @@ def _make_sort_chunks_by_idxs(original, spec):
 
     @functools.wraps(original)
     def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False):
-        if not _patching.is_active("moe"):
+        if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return original(input, split_sizes, sorted_idxs, probs, fused)
         reason = "fused" if fused else None
@@ -229,7 +229,7 @@ def _make_pad_routing_map(original, spec):
 
     @functools.wraps(original)
     def pad_routing_map(routing_map, pad_multiple):
-        if not _patching.is_active("moe"):
+        if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return original(routing_map, pad_multiple)
         reason = _why_not([routing_map])
@@ -254,21 +254,21 @@ _UNPERMUTE_016 = [("permuted_tokens", EMPTY), ("sorted_indices", EMPTY), ("resto
                   ("probs", None), ("routing_map", None), ("fused", False), ("drop_and_pad", False)]
 
 SPECS = [
-    Spec("permute", "moe", MOE_UTILS, "permute",
+    Spec("permute", "moe.permute", MOE_UTILS, "permute",
          [Variant("0.16", _PERMUTE_016, _make_permute),
           Variant("0.19", _PERMUTE_016 + [("tokens_per_expert", None), ("align_size", 0)],
                   functools.partial(_make_permute, five_tuple=True))],
          ALIAS_MODULES, requires_area="moe"),
-    Spec("unpermute", "moe", MOE_UTILS, "unpermute",
+    Spec("unpermute", "moe.unpermute", MOE_UTILS, "unpermute",
          [Variant("0.16", _UNPERMUTE_016, _make_unpermute),
           Variant("0.19", _UNPERMUTE_016 + [("pad_offsets", None)],
                   functools.partial(_make_unpermute, with_pad_offsets=True))],
          ALIAS_MODULES, requires_area="moe"),
-    Spec("sort_chunks_by_idxs", "moe", MOE_UTILS, "sort_chunks_by_idxs",
+    Spec("sort_chunks_by_idxs", "moe.sort_chunks_by_idxs", MOE_UTILS, "sort_chunks_by_idxs",
          [Variant("0.16-0.19", [("input", EMPTY), ("split_sizes", EMPTY), ("sorted_idxs", EMPTY),
                                 ("probs", None), ("fused", False)], _make_sort_chunks_by_idxs)],
          ALIAS_MODULES, requires_area="moe"),
-    Spec("pad_routing_map", "moe", MOE_UTILS, "pad_routing_map",
+    Spec("pad_routing_map", "moe.pad_routing_map", MOE_UTILS, "pad_routing_map",
          [Variant("0.16-0.19", [("routing_map", EMPTY), ("pad_multiple", EMPTY)],
                   _make_pad_routing_map)],
          ALIAS_MODULES, requires_area="moe"),

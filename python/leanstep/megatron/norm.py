@@ -11,6 +11,7 @@ runs torch's forward.
 
 import torch
 
+from .. import _dispatch
 from . import _patching
 from ._patching import EMPTY, Spec, Variant
 
@@ -18,7 +19,7 @@ TORCH_NORM = "megatron.core.transformer.torch_norm"
 
 
 def _rmsnorm_active():
-    return _patching.is_active("rmsnorm")
+    return _dispatch.op_enabled("rmsnorm.forward")
 
 
 def _make_wrapped_torch_norm_new(original, spec):
@@ -41,7 +42,7 @@ def _make_wrapped_torch_norm_new(original, spec):
 
 
 SPECS = [
-    Spec("WrappedTorchNorm", "rmsnorm", TORCH_NORM, "__new__",
+    Spec("WrappedTorchNorm", "rmsnorm.forward", TORCH_NORM, "__new__",
          [Variant("0.16-0.19", [("cls", EMPTY), ("config", EMPTY), ("hidden_size", EMPTY),
                                 ("eps", 1e-5), ("persist_layer_norm", False),
                                 ("zero_centered_gamma", False), ("normalization", "LayerNorm")],

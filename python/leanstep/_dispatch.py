@@ -1,0 +1,104 @@
+"""One preset switch and one report, for C++, the CLI, Python and the
+Megatron patches alike.
+
+The C++ registry (``leanstep paths``) holds the op vocabulary (grad.norm,
+grad.clip, rmsnorm.forward, moe.permute, ...) and, per op, its CPU
+implementations (reference, fused); the Python entry points on CPU tensors
+call through it, so its preset and counts cover them. The device backends
+(``torch``) add their calls per device to the same report. The preset also
+switches the Megatron-Core patches: a patch whose op the preset disables
+calls Megatron's original.
+
+Presets: ``"all"`` (every fast path), ``"baseline"`` (none: CPU calls run
+the reference kernels and the Megatron patches delegate), or a
+comma-separated list of op names and groups (``"rmsnorm,grad.clip"``).
+"""
+
+import json
+import threading
+
+from . import _backend, _leanstep
+from ._leanstep import Error
+
+_lock = threading.Lock()
+_state = {"preset": "all", "items": None}  # items None: every op enabled
+
+
+def _parse(preset):
+    if preset == "all":
+        return None
+    if preset == "baseline":
+        return frozenset()
+    return frozenset(item.strip() for item in preset.split(",") if item.strip())
+
+
+def set_preset(preset):
+    """Switches fast paths at run time (between steps), everywhere at once.
+    An unknown op or group name raises and changes nothing."""
+    if not isinstance(preset, str) or not preset.strip():
+        raise Error(f"leanstep.set_preset: argument 'preset' must be 'all', 'baseline' or a "
+                    f"comma-separated list of op names / groups (got {preset!r})")
+    preset = ",".join(p.strip() for p in preset.split(",") if p.strip())
+    if "dispatch_set_preset" in dir(_leanstep):
+        _leanstep.dispatch_set_preset(preset)  # validates the names, or raises
+    with _lock:
+        _state["preset"] = preset
+        _state["items"] = _parse(preset)
+
+
+def preset():
+    with _lock:
+        return _state["preset"]
+
+
+def op_enabled(op):
+    """Whether the preset enables `op` ("grad.norm", ...): by name or group."""
+    items = _state["items"]
+    return items is None or op in items or op.split(".", 1)[0] in items
+
+
+def paths():
+    """``{"preset", "ops": {op: {"fast_paths_enabled", "cpu": {...C++ report...},
+    "torch": {device_type: calls}}}}``: every op of the vocabulary with its
+    CPU implementations (installed, active, guards, calls and reasons) and the
+    calls the device backends ran."""
+    report = {"preset": preset(), "ops": {}}
+    if "dispatch_paths_json" in dir(_leanstep):
+        cpp = json.loads(_leanstep.dispatch_paths_json())
+        for op in cpp["ops"]:
+            name = op.pop("op")
+            report["ops"][name] = {"fast_paths_enabled": op_enabled(name), "cpu": op}
+    for name, backends in _backend.calls().items():
+        entry = report["ops"].setdefault(name, {"fast_paths_enabled": op_enabled(name)})
+        for backend, devices in backends.items():
+            entry.setdefault("calls", {})[backend] = dict(devices)
+    return report
+
+
+def format_paths():
+    """:func:`paths` as readable lines."""
+    r = paths()
+    lines = [f"preset: {r['preset']}"]
+    for name in sorted(r["ops"]):
+        op = r["ops"][name]
+        state = "enabled" if op["fast_paths_enabled"] else "disabled (reference / original)"
+        lines.append(f"{name}: fast paths {state}")
+        cpu = op.get("cpu")
+        if cpu:
+            impls = ", ".join(i["name"] + ("" if i["active"] else " (inactive)")
+                              for i in cpu["implementations"])
+            lines.append(f"  cpu: {impls}; reference {cpu['reference']}")
+            for stat in cpu["stats"]:
+                if stat["calls"]:
+                    lines.append(f"    {stat['impl']}: {stat['calls']} calls")
+        for backend, devices in sorted(op.get("calls", {}).items()):
+            shown = ", ".join(f"{d} {n}" for d, n in sorted(devices.items()))
+            lines.append(f"  routed to {backend}: {shown}")
+    return "\n".join(lines)
+
+
+def reset_paths():
+    """Clears every call count (C++ registry and device backends)."""
+    if "dispatch_reset_stats" in dir(_leanstep):
+        _leanstep.dispatch_reset_stats()
+    _backend.reset_calls()

@@ -1,0 +1,28 @@
+// The dispatch registry: one preset switch and one report for C++, the CLI,
+// Python and the Megatron patches (the Python entry points call through it).
+#include <string>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <leanstep/dispatch.h>
+
+#include "bindings.h"
+
+namespace leanstep::py {
+
+void bind_dispatch(nb::module_& m) {
+  m.def(
+      "dispatch_set_preset",
+      [](const std::string& preset) { dispatch::registry().set_preset(preset); },
+      nb::arg("preset"),
+      "\"baseline\", \"all\", or a comma-separated list of op names / groups; an unknown name "
+      "raises and changes nothing.");
+  m.def("dispatch_preset", [] { return dispatch::registry().preset(); });
+  m.def("dispatch_paths_json", [] { return dispatch::paths_json(); },
+        "The `leanstep paths --json` report of the process-wide registry.");
+  m.def("dispatch_paths_text", [] { return dispatch::paths_text(); });
+  m.def("dispatch_reset_stats", [] { dispatch::registry().reset_stats(); });
+}
+
+}  // namespace leanstep::py
