@@ -57,6 +57,12 @@ def op_enabled(op):
     return items is None or op in items or op.split(".", 1)[0] in items
 
 
+def group_enabled(group):
+    """Whether the preset enables the group or any op in it."""
+    items = _state["items"]
+    return items is None or group in items or any(i.split(".", 1)[0] == group for i in items)
+
+
 def paths():
     """``{"preset", "ops": {op: {"fast_paths_enabled", "cpu": {...C++ report...},
     "torch": {device_type: calls}}}}``: every op of the vocabulary with its

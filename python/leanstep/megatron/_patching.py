@@ -120,7 +120,7 @@ def set_active(families):
 
 def active():
     """The families whose ops the preset enables (all of them or some)."""
-    return [f for f in FAMILIES if _dispatch.op_enabled(f)]
+    return [f for f in FAMILIES if _dispatch.group_enabled(f)]
 
 
 # ---------------------------------------------------------------- install / uninstall

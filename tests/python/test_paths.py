@@ -1,0 +1,66 @@
+"""One preset switch and one report from Python: the preset reaches the CPU
+kernels (reference vs fused, counted by the C++ registry) and the Megatron
+patches; the device backends' calls join the same report."""
+
+import pytest
+import torch
+
+import leanstep
+
+
+@pytest.fixture(autouse=True)
+def restore_preset():
+    yield
+    leanstep.set_preset("all")
+
+
+def impl_calls(op):
+    return {s["impl"]: s["calls"] for s in leanstep.paths()["ops"][op]["cpu"]["stats"]}
+
+
+def test_preset_switches_the_cpu_kernels_of_python_calls(torch_gen):
+    grads = [torch.randn(100, generator=torch_gen), torch.randn(7, generator=torch_gen)]
+    plan = leanstep.GradPlan(grads)
+    leanstep.reset_paths()
+    fast, _ = plan.norm()
+    leanstep.set_preset("baseline")
+    assert leanstep.preset() == "baseline"
+    reference, _ = plan.norm()
+    assert impl_calls("grad.norm") == {"fused": 1, "reference": 1}
+    assert abs(fast.item() - reference.item()) <= 2 * 2**-24 * fast.item()
+    leanstep.set_preset("rmsnorm,grad.clip")
+    plan.norm()
+    assert impl_calls("grad.norm")["reference"] == 2
+    assert leanstep.paths()["ops"]["grad.clip"]["fast_paths_enabled"]
+    assert not leanstep.paths()["ops"]["grad.norm"]["fast_paths_enabled"]
+
+
+def test_unknown_preset_names_raise_and_change_nothing():
+    leanstep.set_preset("grad")
+    with pytest.raises(leanstep.Error, match="nope"):
+        leanstep.set_preset("grad,nope")
+    assert leanstep.preset() == "grad"
+    with pytest.raises(leanstep.Error, match=r"argument 'preset' must be"):
+        leanstep.set_preset("")
+
+
+def test_device_backend_calls_join_the_report():
+    leanstep.reset_paths()
+    g = torch.empty(64, device="meta")
+    leanstep.GradPlan([g]).norm()
+    leanstep.GradPlan([torch.zeros(3)], backend="torch").count_zeros()
+    ops = leanstep.paths()["ops"]
+    assert ops["grad.norm"]["calls"] == {"torch": {"meta": 1}}
+    assert ops["grad.count_zeros"]["calls"] == {"torch": {"cpu": 1}}
+    text = leanstep.format_paths()
+    assert "grad.norm: fast paths enabled" in text and "routed to torch: meta 1" in text
+
+
+def test_megatron_families_are_the_preset():
+    lm = pytest.importorskip("leanstep.megatron")
+    lm.set_active(["grad"])
+    assert leanstep.preset() == "grad" and lm.active() == ["grad"]
+    leanstep.set_preset("moe.permute")
+    assert lm.active() == ["moe"]  # a family with any enabled op
+    leanstep.set_preset("baseline")
+    assert lm.active() == []
