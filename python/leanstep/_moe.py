@@ -5,10 +5,17 @@ Permuted order is expert-major and, within one expert, increasing token index
 is the source token of permuted row i (-1: a padding row with no source).
 ``method="fused"`` is the parallel counting-sort path; ``method="sort"`` the
 reference (stable sort of fp32 keys); both give bit-identical results.
+
+``backend``: None chooses from the tensors' device (CPU tensors and NumPy
+arrays: the C++ kernels; any other torch device: the torch-op backend in
+:mod:`leanstep.backends.torch_moe`, which reads no device value on the host
+except the routed count of a permute without ``num_out_tokens``); "torch"
+forces the torch-op backend on CPU tensors.
 """
 
-from . import _leanstep
-from ._arrays import dtype_name, empty, opt_view, result, view
+from . import _backend, _leanstep
+from ._arrays import dtype_name, empty, is_torch, opt_view, result, view
+from ._leanstep import Error
 
 __all__ = [
     "moe_permute",
@@ -25,14 +32,57 @@ __all__ = [
 moe_expert_capacity = _leanstep.moe_expert_capacity
 
 
+def _choose(op, tensors, names, backend):
+    """The backend for one call (recorded): "cpu" or "torch"."""
+    chosen = _backend.choose(tensors, backend, op, names=names)
+    device_type = "cpu"
+    if chosen == "torch":
+        for t, name in zip(tensors, names):
+            if t is not None and not is_torch(t):
+                raise Error(f"{op}: backend='torch' needs torch tensors (argument '{name}' is "
+                            f"{type(t).__name__})")
+        device_type = next(t.device.type for t in tensors if t is not None)
+    _backend.record(op, chosen, device_type)
+    return chosen
+
+
+def _torch_moe():
+    from .backends import torch_moe
+
+    return torch_moe
+
+
+def _check_method(method, where):
+    """The device backend has one unpermute; the method is still checked."""
+    if method not in ("sort", "fused"):
+        raise Error(f'{where}: argument \'method\' must be "sort" or "fused" (got {method!r})')
+
+
+def _into(out, value, op):
+    """`value` written into the caller's `out` (device path), checked first."""
+    if out is None:
+        return value
+    if not is_torch(out) or out.shape != value.shape or out.dtype != value.dtype \
+            or out.device != value.device:
+        got = (f"{out.dtype}{list(out.shape)} on {out.device}" if is_torch(out)
+               else type(out).__name__)
+        raise Error(f"{op}: argument 'out' must be {value.dtype}{list(value.shape)} on "
+                    f"{value.device} (got {got})")
+    return out.copy_(value)
+
+
 def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=False,
-                method="fused"):
+                method="fused", *, backend=None):
     """Returns ``(permuted, permuted_probs, sorted_indices)``. permuted is
     ``[N, H]`` in tokens' dtype, permuted_probs ``[N]`` in probs' dtype (None
     without probs), sorted_indices int64 ``[N]``. N is the routed count, or
     ``num_out_tokens`` (extra rows are zero with index -1; fewer than routed is
     an error); with ``drop_and_pad`` N = num_out_tokens = E * capacity."""
     tokens, routing_map, probs = view(tokens), view(routing_map), opt_view(probs)
+    if _choose("moe_permute", [tokens, routing_map, probs], ["tokens", "routing_map", "probs"],
+               backend) == "torch":
+        return _torch_moe().permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad,
+                                    method)
     if num_out_tokens is not None:
         num_out_tokens = int(num_out_tokens)
     rows = _leanstep.moe_permute_output_rows(routing_map, num_out_tokens, drop_and_pad)
@@ -45,31 +95,45 @@ def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_p
 
 
 def moe_unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_map=None,
-                  drop_and_pad=False, method="fused", *, out=None):
+                  drop_and_pad=False, method="fused", *, out=None, backend=None):
     """``out[t] = sum over slots i with sorted_indices[i] == t of permuted[i] * prob_i``,
     accumulated in fp32 in increasing i and cast once to permuted's dtype.
     probs is ``[N]`` (permuted probs) or ``[T, E]`` together with routing_map
     (Megatron-Core's form)."""
     permuted, sorted_indices = view(permuted), view(sorted_indices)
     probs, routing_map = opt_view(probs), opt_view(routing_map)
+    if _choose("moe_unpermute", [permuted, sorted_indices, probs, routing_map, out],
+               ["permuted", "sorted_indices", "probs", "routing_map", "out"], backend) == "torch":
+        _check_method(method, "unpermute")
+        return _into(out, _torch_moe().unpermute(permuted, sorted_indices, restore_shape, probs,
+                                                 routing_map, drop_and_pad), "moe_unpermute")
     out = result(tuple(restore_shape), dtype_name(permuted), permuted, out, "moe_unpermute", "out")
     _leanstep.moe_unpermute(permuted, sorted_indices, out, probs, routing_map, drop_and_pad, method)
     return out
 
 
-def moe_permute_backward(dpermuted, sorted_indices, num_tokens, method="fused"):
+def moe_permute_backward(dpermuted, sorted_indices, num_tokens, method="fused", *, backend=None):
     """Gradient of permute w.r.t. tokens: ``[num_tokens, H]`` in dpermuted's dtype."""
     dpermuted, sorted_indices = view(dpermuted), view(sorted_indices)
+    if _choose("moe_permute_backward", [dpermuted, sorted_indices],
+               ["dpermuted", "sorted_indices"], backend) == "torch":
+        _check_method(method, "permute_backward")
+        return _torch_moe().permute_backward(dpermuted, sorted_indices, num_tokens)
     dtokens = empty((num_tokens, dpermuted.shape[-1]), dtype_name(dpermuted), dpermuted)
     _leanstep.moe_permute_backward(dpermuted, sorted_indices, dtokens, method)
     return dtokens
 
 
-def moe_permute_probs_backward(dpermuted_probs, sorted_indices, routing_map, drop_and_pad=False):
+def moe_permute_probs_backward(dpermuted_probs, sorted_indices, routing_map, drop_and_pad=False,
+                               *, backend=None):
     """Gradient of permute w.r.t. probs: ``[T, E]``, zero except at the slots'
     (token, expert) entries."""
     dpermuted_probs, sorted_indices = view(dpermuted_probs), view(sorted_indices)
     routing_map = view(routing_map)
+    if _choose("moe_permute_probs_backward", [dpermuted_probs, sorted_indices, routing_map],
+               ["dpermuted_probs", "sorted_indices", "routing_map"], backend) == "torch":
+        return _torch_moe().permute_probs_backward(dpermuted_probs, sorted_indices, routing_map,
+                                                   drop_and_pad)
     dprobs = empty(tuple(routing_map.shape), dtype_name(dpermuted_probs), dpermuted_probs)
     _leanstep.moe_permute_probs_backward(dpermuted_probs, sorted_indices, routing_map,
                                          drop_and_pad, dprobs)
@@ -77,11 +141,16 @@ def moe_permute_probs_backward(dpermuted_probs, sorted_indices, routing_map, dro
 
 
 def moe_unpermute_backward(dout, permuted, sorted_indices, probs=None, routing_map=None,
-                           drop_and_pad=False, method="fused"):
+                           drop_and_pad=False, method="fused", *, backend=None):
     """Returns ``(dpermuted, dprobs)``; dprobs is None without probs and shaped
     like probs otherwise."""
     dout, permuted, sorted_indices = view(dout), view(permuted), view(sorted_indices)
     probs, routing_map = opt_view(probs), opt_view(routing_map)
+    if _choose("moe_unpermute_backward", [dout, permuted, sorted_indices, probs, routing_map],
+               ["dout", "permuted", "sorted_indices", "probs", "routing_map"], backend) == "torch":
+        _check_method(method, "unpermute_backward")
+        return _torch_moe().unpermute_backward(dout, permuted, sorted_indices, probs, routing_map,
+                                               drop_and_pad)
     dpermuted = empty(tuple(permuted.shape), dtype_name(permuted), permuted)
     dprobs = None if probs is None else empty(tuple(probs.shape), dtype_name(probs), probs)
     _leanstep.moe_unpermute_backward(dout, permuted, sorted_indices, probs, routing_map,
@@ -91,11 +160,18 @@ def moe_unpermute_backward(dout, permuted, sorted_indices, probs=None, routing_m
 
 def moe_route(logits, topk, score_function="softmax", pre_softmax=False, normalize=None,
               scaling_factor=None, capacity_factor=None, drop_policy="probs",
-              pad_to_capacity=False, expert_bias=None):
+              pad_to_capacity=False, expert_bias=None, *, backend=None):
     """Top-k routing with optional capacity. Returns ``(routing_map, probs,
     tokens_per_expert)``: bool ``[T, E]``, fp32 ``[T, E]`` (0 where not routed),
-    int64 ``[E]`` (counted before capacity dropping)."""
+    int64 ``[E]`` (counted before capacity dropping). CPU only: there is no
+    torch-op routing yet, so device tensors (or backend="torch") are an error."""
     logits, expert_bias = view(logits), opt_view(expert_bias)
+    if _backend.choose([logits, expert_bias], backend, "moe_route",
+                       names=["logits", "expert_bias"]) == "torch":
+        device = logits.device if is_torch(logits) else "cpu"
+        raise Error(f"moe_route: argument 'logits' must be a CPU tensor: routing has no torch-op "
+                    f"backend (got logits on {device}, backend={backend!r})")
+    _backend.record("moe_route", "cpu", "cpu")
     num_tokens, num_experts = (int(s) for s in logits.shape)
     routing_map = empty((num_tokens, num_experts), "bool", logits)
     probs = empty((num_tokens, num_experts), "float32", logits)
@@ -107,26 +183,33 @@ def moe_route(logits, topk, score_function="softmax", pre_softmax=False, normali
     return routing_map, probs, tokens_per_expert
 
 
-def pad_routing_map(routing_map, multiple, *, out=None):
+def pad_routing_map(routing_map, multiple, *, out=None, backend=None):
     """Returns a NEW map in which each expert's routed count is padded up to a
     multiple of ``multiple`` by switching on its first unrouted tokens in token
     order (an expert with too few unrouted tokens stays short). The caller's map
     is not mutated unless ``out=routing_map`` is passed (unlike Megatron-Core's
     pad_routing_map, which mutates its argument through a transposed view)."""
     routing_map = view(routing_map)
+    if _choose("pad_routing_map", [routing_map, out], ["routing_map", "out"], backend) == "torch":
+        return _torch_moe().pad_routing_map(routing_map, multiple, out)
     out = result(tuple(routing_map.shape), dtype_name(routing_map), routing_map, out,
                  "pad_routing_map", "out")
     _leanstep.moe_pad_routing_map(routing_map, int(multiple), out)
     return out
 
 
-def sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs=None):
+def sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs=None, *, backend=None):
     """Splits rows into consecutive chunks of ``split_sizes`` and concatenates
     them in the order ``sorted_idxs``; rows beyond ``sum(split_sizes)`` keep
-    their place. Returns ``(output, permuted_probs)`` (None without probs)."""
+    their place. Returns ``(output, permuted_probs)`` (None without probs).
+    On a device, split_sizes and sorted_idxs are device tensors too."""
     rows, split_sizes, sorted_idxs, probs = (view(rows), view(split_sizes), view(sorted_idxs),
                                              opt_view(probs))
+    if _choose("sort_chunks_by_idxs", [rows, split_sizes, sorted_idxs, probs],
+               ["rows", "split_sizes", "sorted_idxs", "probs"], backend) == "torch":
+        return _torch_moe().sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs)
     out = empty(tuple(rows.shape), dtype_name(rows), rows)
     out_probs = None if probs is None else empty(tuple(probs.shape), dtype_name(probs), probs)
     _leanstep.moe_sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, out, probs, out_probs)
     return out, out_probs
+

@@ -268,13 +268,14 @@ class RMSNorm(torch.nn.RMSNorm):
 
 class _PermuteFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, routing_map, probs, num_out_tokens, drop_and_pad, method):
+    def forward(ctx, tokens, routing_map, probs, num_out_tokens, drop_and_pad, method, backend):
         permuted, permuted_probs, sorted_indices = moe_permute(
-            tokens, routing_map, probs, num_out_tokens, drop_and_pad, method)
+            tokens, routing_map, probs, num_out_tokens, drop_and_pad, method, backend=backend)
         ctx.save_for_backward(sorted_indices, routing_map)
         ctx.num_tokens = tokens.shape[0]
         ctx.drop_and_pad = drop_and_pad
         ctx.method = method
+        ctx.backend = backend
         ctx.mark_non_differentiable(sorted_indices)
         return permuted, permuted_probs, sorted_indices
 
@@ -284,30 +285,32 @@ class _PermuteFunction(torch.autograd.Function):
         dtokens = dprobs = None
         if ctx.needs_input_grad[0]:
             dtokens = moe_permute_backward(dpermuted.contiguous(), sorted_indices,
-                                           ctx.num_tokens, ctx.method)
+                                           ctx.num_tokens, ctx.method, backend=ctx.backend)
         if ctx.needs_input_grad[2] and dpermuted_probs is not None:
             dprobs = moe_permute_probs_backward(dpermuted_probs.contiguous(), sorted_indices,
-                                                routing_map, ctx.drop_and_pad)
-        return dtokens, None, dprobs, None, None, None
+                                                routing_map, ctx.drop_and_pad, backend=ctx.backend)
+        return dtokens, None, dprobs, None, None, None, None
 
 
 def permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=False,
-            method="fused"):
+            method="fused", *, backend=None):
     """Autograd-aware :func:`leanstep.moe_permute`: gradients flow to tokens
-    and probs. Returns ``(permuted, permuted_probs, sorted_indices)``."""
+    and probs. Returns ``(permuted, permuted_probs, sorted_indices)``.
+    ``backend`` as for :func:`leanstep.moe_permute` (the backward uses the same)."""
     return _PermuteFunction.apply(tokens, routing_map, probs, num_out_tokens, drop_and_pad,
-                                  method)
+                                  method, backend)
 
 
 class _UnpermuteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, permuted, sorted_indices, restore_shape, probs, routing_map, drop_and_pad,
-                method):
+                method, backend):
         out = moe_unpermute(permuted, sorted_indices, restore_shape, probs, routing_map,
-                            drop_and_pad, method)
+                            drop_and_pad, method, backend=backend)
         ctx.save_for_backward(permuted, sorted_indices, probs, routing_map)
         ctx.drop_and_pad = drop_and_pad
         ctx.method = method
+        ctx.backend = backend
         return out
 
     @staticmethod
@@ -316,24 +319,26 @@ class _UnpermuteFunction(torch.autograd.Function):
         need_probs = probs is not None and ctx.needs_input_grad[3]
         dpermuted, dprobs = moe_unpermute_backward(
             dout.contiguous(), permuted, sorted_indices, probs, routing_map, ctx.drop_and_pad,
-            ctx.method)
+            ctx.method, backend=ctx.backend)
         return (dpermuted if ctx.needs_input_grad[0] else None, None, None,
-                dprobs if need_probs else None, None, None, None)
+                dprobs if need_probs else None, None, None, None, None)
 
 
 def unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_map=None,
-              drop_and_pad=False, method="fused"):
+              drop_and_pad=False, method="fused", *, backend=None):
     """Autograd-aware :func:`leanstep.moe_unpermute`: gradients flow to the
-    permuted tokens and to probs."""
+    permuted tokens and to probs. ``backend`` as for :func:`leanstep.moe_unpermute`."""
     return _UnpermuteFunction.apply(permuted, sorted_indices, tuple(restore_shape), probs,
-                                    routing_map, drop_and_pad, method)
+                                    routing_map, drop_and_pad, method, backend)
 
 
 class _SortChunksFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, split_sizes, sorted_idxs, probs):
-        out, out_probs = _sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs)
+    def forward(ctx, rows, split_sizes, sorted_idxs, probs, backend):
+        out, out_probs = _sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs,
+                                              backend=backend)
         ctx.save_for_backward(split_sizes, sorted_idxs)
+        ctx.backend = backend
         return out, out_probs
 
     @staticmethod
@@ -345,13 +350,15 @@ class _SortChunksFunction(torch.autograd.Function):
         inverse = torch.argsort(sorted_idxs)
         drows = dprobs = None
         if dout is not None and ctx.needs_input_grad[0]:
-            drows, _ = _sort_chunks_by_idxs(dout.contiguous(), out_sizes, inverse)
+            drows, _ = _sort_chunks_by_idxs(dout.contiguous(), out_sizes, inverse,
+                                            backend=ctx.backend)
         if dout_probs is not None and ctx.needs_input_grad[3]:
-            dprobs, _ = _sort_chunks_by_idxs(dout_probs.contiguous(), out_sizes, inverse)
-        return drows, None, None, dprobs
+            dprobs, _ = _sort_chunks_by_idxs(dout_probs.contiguous(), out_sizes, inverse,
+                                             backend=ctx.backend)
+        return drows, None, None, dprobs, None
 
 
-def sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs=None):
+def sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs=None, *, backend=None):
     """Autograd-aware :func:`leanstep.sort_chunks_by_idxs`. Returns
-    ``(output, permuted_probs)``."""
-    return _SortChunksFunction.apply(rows, split_sizes, sorted_idxs, probs)
+    ``(output, permuted_probs)``. ``backend`` as for :func:`leanstep.sort_chunks_by_idxs`."""
+    return _SortChunksFunction.apply(rows, split_sizes, sorted_idxs, probs, backend)
