@@ -6,7 +6,7 @@ import os
 
 from . import _leanstep
 
-__all__ = ["step_summaries", "compare_runs", "crossover_analysis"]
+__all__ = ["step_summaries", "compare_runs", "crossover_analysis", "crossover_plan"]
 
 
 def _paths(paths):
@@ -33,3 +33,14 @@ def crossover_analysis(paths, plan=None, baseline="", warmup=None, resamples=200
     return json.loads(_leanstep.stats_crossover_json(
         _paths(paths), os.fspath(plan) if plan else "", baseline,
         None if warmup is None else int(warmup), int(resamples), int(seed)))
+
+
+def crossover_plan(conditions, runs, block_steps, warmup, allocations=(),
+                   exclude_after_transition=2):
+    """A counterbalanced crossover plan (as ``leanstep crossover plan --json``):
+    every run holds every condition once as a block; Williams squares when the
+    run count allows. Write it with ``json.dump`` and pass its path to
+    :func:`crossover_analysis`."""
+    return json.loads(_leanstep.stats_crossover_plan_json(
+        [str(c) for c in conditions], int(runs), int(block_steps), int(warmup),
+        [str(a) for a in allocations], int(exclude_after_transition)))

@@ -254,6 +254,8 @@ def _load_torch():
             if name is None:
                 name = self.names[func] = str(func)
             owner.ops[name] += 1
+            if func.is_view:  # metadata only: launches no kernel
+                owner.view_ops[name] += 1
             if func is scalar:
                 owner._record_sync(owner.syncs, "scalar", name, args[0])
             elif func is to_copy:
@@ -350,7 +352,8 @@ class Audit:
     Use as ``with leanstep.audit() as a: ...``; the counters fill while the
     region runs. Entering the same object again accumulates. Attributes:
 
-    - ``ops``: ``Counter`` aten overload name -> count; ``num_ops``.
+    - ``ops``: ``Counter`` aten overload name -> count; ``num_ops``; of
+      those, ``view_ops`` / ``num_view_ops`` only make views (no kernel).
     - ``syncs``: ``Counter`` of :class:`Sync` (kind, op, device, site) -> count;
       ``num_syncs``. ``implicit_syncs`` likewise for data-dependent ops.
     - ``host_reads``: ``Counter`` of :class:`HostRead` -> count;
@@ -365,6 +368,7 @@ class Audit:
 
     def __init__(self, *, stacklevel_filter: Union[None, str, Iterable[str], Callable[[str], bool]] = None):
         self.ops: collections.Counter = collections.Counter()
+        self.view_ops: collections.Counter = collections.Counter()
         self.syncs: collections.Counter = collections.Counter()
         self.implicit_syncs: collections.Counter = collections.Counter()
         self.host_reads: collections.Counter = collections.Counter()
@@ -438,6 +442,11 @@ class Audit:
         return sum(self.ops.values())
 
     @property
+    def num_view_ops(self) -> int:
+        """Ops that only make views (t, view, slice, ...): no kernel launch."""
+        return sum(self.view_ops.values())
+
+    @property
     def num_syncs(self) -> int:
         return sum(self.syncs.values())
 
@@ -454,7 +463,7 @@ class Audit:
         return sum(n for r, n in self.host_reads.items() if r.memory == "device")
 
     def summary(self) -> str:
-        s = (f"{self.num_ops} aten ops, {self.num_syncs} host syncs, "
+        s = (f"{self.num_ops} aten ops ({self.num_view_ops} views), {self.num_syncs} host syncs, "
              f"{self.num_host_reads} host reads ({self.num_device_reads} of device memory)")
         if self.implicit_syncs:
             s += f", {self.num_implicit_syncs} implicit syncs (data-dependent ops)"
@@ -476,6 +485,7 @@ class Audit:
         return {
             "summary": self.summary(),
             "num_ops": self.num_ops,
+            "num_view_ops": self.num_view_ops,
             "num_syncs": self.num_syncs,
             "num_implicit_syncs": self.num_implicit_syncs,
             "num_host_reads": self.num_host_reads,

@@ -57,6 +57,19 @@ void bind_stats(nb::module_& m) {
       },
       nb::arg("paths"), nb::arg("plan") = "", nb::arg("baseline") = "",
       nb::arg("warmup").none() = nb::none(), nb::arg("resamples") = 2000, nb::arg("seed") = 7);
+  m.def(
+      "stats_crossover_plan_json",
+      [](const std::vector<std::string>& conditions, int runs, int64_t block_steps,
+         int64_t warmup, const std::vector<std::string>& allocations,
+         int64_t exclude_after_transition) {
+        return stats::to_json(stats::plan_crossover(conditions, runs, block_steps, warmup,
+                                                    allocations, exclude_after_transition))
+            .dump();
+      },
+      nb::arg("conditions"), nb::arg("runs"), nb::arg("block_steps"), nb::arg("warmup"),
+      nb::arg("allocations") = std::vector<std::string>{},
+      nb::arg("exclude_after_transition") = 2,
+      "The `leanstep crossover plan --json` of these settings (balanced, or an Error).");
 }
 
 }  // namespace leanstep::py

@@ -35,7 +35,19 @@ def test_counts_exact_op_names(device):
     assert a.ops == collections.Counter({"aten.add.Tensor": 1, "aten.sum.default": 1})
     assert a.num_ops == 2
     assert a.num_syncs == 0 and a.num_host_reads == 0
-    assert a.summary() == "2 aten ops, 0 host syncs, 0 host reads (0 of device memory)"
+    assert a.summary() == "2 aten ops (0 views), 0 host syncs, 0 host reads (0 of device memory)"
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_view_ops_are_counted_apart(device):
+    x = torch.ones(4, 6, device=device)
+    with leanstep.audit() as a:
+        z = x.t()[1:]
+        z * 2
+        x.view(-1)
+    assert a.view_ops == collections.Counter(
+        {"aten.t.default": 1, "aten.slice.Tensor": 1, "aten.view.default": 1})
+    assert a.num_ops == 4 and a.num_view_ops == 3
 
 
 def test_item_on_cpu_is_one_sync_and_one_read_at_the_call_site():
@@ -53,7 +65,7 @@ def test_item_on_cpu_is_one_sync_and_one_read_at_the_call_site():
     assert (read.kind, read.memory, read.device, read.dtype, read.shape, read.error) == (
         "item", "host-resident", "cpu", "float32", (), None)
     assert a.num_device_reads == 0
-    assert a.summary() == "1 aten ops, 1 host syncs, 1 host reads (0 of device memory)"
+    assert a.summary() == "1 aten ops (0 views), 1 host syncs, 1 host reads (0 of device memory)"
 
 
 def test_bool_tolist_and_other_reads_are_host_reads():
@@ -254,6 +266,6 @@ def test_cli_table_in_process(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert rc == 0
     assert out == "script says []\nTrue\n"
-    assert err.startswith("audit: 6 aten ops, 2 host syncs, 2 host reads (0 of device memory)\n")
+    assert err.startswith("audit: 6 aten ops (1 views), 2 host syncs, 2 host reads (0 of device memory)\n")
     assert "tiny.py:5 (<module>)" in err and "tiny.py:6 (<module>)" in err
     assert "... 3 more rows" in err  # --top 2 of 5 op names

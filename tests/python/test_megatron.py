@@ -672,3 +672,22 @@ def test_unscale_and_found_inf_match_the_original(patched, torch_gen, bad):
     calls = lm.report()["calls"]["unscale_and_check_for_nan"]
     assert calls["paths"] == {"cpu:cpu": 1}
     assert "Python bool" in lm.report()["host_reads"]["unscale_and_check_for_nan"]
+
+
+def test_convert_norms_in_a_model_built_before_install(torch_gen):
+    import leanstep.torch as lt
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                               normalization="RMSNorm")
+    model = torch.nn.Sequential(torch_norm.WrappedTorchNorm(config=config, hidden_size=32),
+                                torch.nn.Linear(32, 32),
+                                torch_norm.WrappedTorchNorm(config=config, hidden_size=32))
+    hooked = model[2]
+    hooked.register_forward_hook(lambda *args: None)
+    weight = model[0].weight
+    assert lm.convert_norms(model) == 1  # the hooked one is left as it is
+    assert isinstance(model[0], lt.RMSNorm) and model[0].weight is weight
+    assert model[2] is hooked
+    weight.requires_grad_(False)
+    model[0](torch.randn(2, 32))
+    assert model[0].last_decision["path"] == "frozen_fused"

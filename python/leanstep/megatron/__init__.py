@@ -39,9 +39,10 @@ from . import grad as _grad_patches
 from . import moe as _moe_patches
 from . import norm as _norm_patches
 from ._patching import FAMILIES, active, installed, installed_variant, reset_call_counts, set_active
+from .norm import convert_norms
 
 __all__ = ["install", "uninstall", "report", "format_report", "installed", "installed_variant",
-           "set_active", "active", "reset_call_counts", "PATCHES", "FAMILIES"]
+           "set_active", "active", "reset_call_counts", "convert_norms", "PATCHES", "FAMILIES"]
 
 #: Every patch, in install order.
 PATCHES = _grad_patches.SPECS + _moe_patches.SPECS + _norm_patches.SPECS

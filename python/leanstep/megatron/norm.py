@@ -41,6 +41,32 @@ def _make_wrapped_torch_norm_new(original, spec):
     return __new__
 
 
+def convert_norms(model):
+    """Replaces, in an already built model, every plain ``torch.nn.RMSNorm``
+    submodule by a :class:`leanstep.torch.RMSNorm` sharing its weight
+    Parameter (the object itself: optimizers, DDP grad buffers and
+    checkpoints keep working), as the patch does for models built after
+    :func:`leanstep.megatron.install`. For frameworks that build the model
+    before patches can be installed (ms-swift's callbacks). A module with
+    hooks of its own is left as it is (a replacement would drop them).
+    Returns the number of modules replaced."""
+    from .. import torch as lt
+
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.RMSNorm:
+                continue
+            if (child._forward_hooks or child._forward_pre_hooks or child._backward_hooks
+                    or child._backward_pre_hooks):
+                continue
+            new = lt.RMSNorm.from_torch(child, frozen_only=True, enabled=_rmsnorm_active)
+            new.train(child.training)
+            setattr(parent, name, new)
+            replaced += 1
+    return replaced
+
+
 SPECS = [
     Spec("WrappedTorchNorm", "rmsnorm.forward", TORCH_NORM, "__new__",
          [Variant("0.16-0.19", [("cls", EMPTY), ("config", EMPTY), ("hidden_size", EMPTY),

@@ -27,7 +27,7 @@ import logging
 import sys
 import threading
 
-from . import format_report, install
+from . import convert_norms, format_report, install
 
 __all__ = ["NAME", "register", "registered", "callback_class"]
 
@@ -85,7 +85,12 @@ def _build_class(base):
 
         def on_train_begin(self):
             install()
-            _logger().info("leanstep: patches installed at train begin\n%s", format_report())
+            # ms-swift builds the model before callbacks exist: its RMSNorms
+            # are converted in place (same Parameters), as the patch would have.
+            models = getattr(getattr(self, "trainer", None), "unwrapped_models", None) or []
+            converted = sum(convert_norms(m) for m in models)
+            _logger().info("leanstep: patches installed at train begin (%d RMSNorm modules "
+                           "converted)\n%s", converted, format_report())
 
         def on_train_end(self):
             _logger().info("leanstep: report at train end (calls during the run)\n%s",
