@@ -691,3 +691,31 @@ def test_convert_norms_in_a_model_built_before_install(torch_gen):
     weight.requires_grad_(False)
     model[0](torch.randn(2, 32))
     assert model[0].last_decision["path"] == "frozen_fused"
+
+
+def test_moe_functions_on_device_tensors_take_the_device_backend(patched, torch_gen):
+    T, E, k, H = 32, 8, 2, 16
+    routing_map, probs = routing(T, E, k, torch_gen)
+    tokens = torch.randn(T, H, generator=torch_gen)
+    num_out = int(routing_map.sum())
+    on_meta = [t.to("meta") for t in (tokens, routing_map, probs)]
+    with leanstep.audit() as a:
+        out = token_dispatcher.permute(*on_meta, num_out)
+        restored = token_dispatcher.unpermute(out[0], out[2], (T, H), probs=on_meta[2],
+                                              routing_map=on_meta[1])
+        chunks = token_dispatcher.sort_chunks_by_idxs(out[0], torch.tensor([10, 22, 16, 16]),
+                                                      torch.tensor([2, 0, 3, 1]))
+        padded = token_dispatcher.pad_routing_map(on_meta[1].clone(), 4)
+    assert a.num_syncs == 0 and a.num_host_reads == 0, a.format_table()
+    assert len(out) == (5 if NEW_API else 3) and out[0].device.type == "meta"
+    assert restored.shape == (T, H) and chunks[0].shape == (num_out, H)
+    assert padded.device.type == "meta"
+    calls = lm.report()["calls"]
+    for name in ("permute", "unpermute", "sort_chunks_by_idxs", "pad_routing_map"):
+        assert calls[name]["paths"] == {"torch:meta": 1}, (name, calls[name])
+    # The same calls on CPU tensors run the C++ kernels and agree bitwise with
+    # the device backend forced on them.
+    cpu_out = token_dispatcher.permute(tokens, routing_map, probs, num_out)
+    forced = leanstep.moe_permute(tokens, routing_map, probs, num_out, backend="torch")
+    for a_, b_ in zip(cpu_out[:3], forced):
+        assert torch.equal(a_, b_)
