@@ -63,6 +63,37 @@ class _RMSNormFunction(torch.autograd.Function):
         return dx, dweight, None, None, None, None
 
 
+class _ExactForwardFrozenRMSNorm(torch.autograd.Function):
+    """Frozen weight: torch's own forward (bit-identical to torch.nn.RMSNorm;
+    it also returns rstd), leanstep's dx-only backward (the C++ kernel on
+    CPU tensors, the device backend elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, backend, context):
+        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.backend = backend
+        ctx.context = context
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dy = dy if dy.is_contiguous() else dy.contiguous()
+        if ctx.backend == "torch":
+            from .backends import torch_rmsnorm
+
+            impl = "fused" if torch_rmsnorm.fused_available(x.device.type) else "composite"
+            dx = torch_rmsnorm.backward_dx(dy, x, rstd, weight, False, impl)
+        else:
+            dx = torch.empty_like(x)
+            context = dict(ctx.context, weight_requires_grad=False)
+            _leanstep.rmsnorm_backward_routed(dy.detach(), x.detach(),
+                                              rstd.detach().reshape(x.shape[:-1]),
+                                              weight.detach(), dx, None, 0.0, False, **context)
+        return dx, None, None, None, None
+
+
 def _no_features():
     return dict(fp8_output=False, autocast=False, activation_offload=False, debug_hooks=False,
                 compiled_or_captured=False, user_subclass=False)
@@ -136,16 +167,20 @@ class RMSNorm(torch.nn.RMSNorm):
     Extra keyword-only arguments: ``zero_centered_gamma`` (g = 1 + weight, the
     Qwen3-Next / "layernorm 1p" convention; the weight itself is stored as is)
     and ``rounding`` ("scale_then_cast", torch's order, or "cast_then_scale",
-    HF Llama's), and ``frozen_only``: run leanstep only on the frozen path
+    HF Llama's), ``exact_forward``: the frozen forward is torch's own
+    (``aten._fused_rms_norm``: bit-identical to ``torch.nn.RMSNorm`` on every
+    device, and it yields rstd) and only the backward is leanstep's, dx only
+    (a drop-in that changes no number of the forward), and ``frozen_only``: run leanstep only on the frozen path
     (a trainable weight then runs torch's own forward, unchanged).
     ``last_decision`` holds the path of the latest call:
     ``{"path": "frozen_fused" | "general" | "torch", "reason": ...}``."""
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None,
                  dtype=None, *, zero_centered_gamma=False, rounding="scale_then_cast",
-                 frozen_only=False, backend=None):
+                 frozen_only=False, backend=None, exact_forward=False):
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine,
                          device=device, dtype=dtype)
+        self.exact_forward = exact_forward
         self.zero_centered_gamma = zero_centered_gamma
         self.rounding = rounding
         self.frozen_only = frozen_only
@@ -158,7 +193,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
     @classmethod
     def from_torch(cls, norm, *, zero_centered_gamma=False, rounding="scale_then_cast",
-                   frozen_only=False, backend=None, enabled=None):
+                   frozen_only=False, backend=None, enabled=None, exact_forward=False):
         """A leanstep RMSNorm sharing ``norm``'s weight Parameter (no copy)."""
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
@@ -174,6 +209,7 @@ class RMSNorm(torch.nn.RMSNorm):
         new.frozen_only = frozen_only
         new.backend = backend
         new.enabled = enabled
+        new.exact_forward = exact_forward
         new.last_decision = None
         return new
 
@@ -250,6 +286,13 @@ class RMSNorm(torch.nn.RMSNorm):
                               "backend": chosen}
         if not x.is_contiguous():
             x = x.contiguous()
+        if (getattr(self, "exact_forward", False) and delegate_ok
+                and decision["path"] == "frozen_fused" and x.dtype == self.weight.dtype):
+            self.last_decision["forward"] = "torch_order"
+            if not (torch.is_grad_enabled() and x.requires_grad):
+                return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], self.weight,
+                                                      float(eps))[0]
+            return _ExactForwardFrozenRMSNorm.apply(x, self.weight, float(eps), chosen, context)
         if chosen == "torch":
             return _torch_rms_norm(x, self.weight, float(eps), self.zero_centered_gamma,
                                    self.rounding)

@@ -163,3 +163,26 @@ def test_function_entry_point_and_errors(torch_gen):
         lt.rms_norm(x, w.to("meta"))
     with pytest.raises(leanstep.Error, match=r"backend='cpu' needs CPU tensors"):
         lt.rms_norm(x.to("meta"), w.to("meta"), backend="cpu")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_exact_forward_is_bit_identical_to_torch_rmsnorm(dtype, backend, torch_gen):
+    # The Megatron patch builds drop-ins with exact_forward: a frozen norm's
+    # forward changes no bit; only the backward (dx only) is leanstep's.
+    ref = torch.nn.RMSNorm(320, eps=1e-6, dtype=dtype)
+    with torch.no_grad():
+        ref.weight.copy_(torch.rand(320, generator=torch_gen) + 0.5)
+    ref.weight.requires_grad_(False)
+    m = lt.RMSNorm.from_torch(ref, frozen_only=True, exact_forward=True, backend=backend)
+    x = torch.randn(7, 5, 320, generator=torch_gen).to(dtype)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = ref(x1), m(x2)
+    assert torch.equal(y1, y2)
+    assert m.last_decision["forward"] == "torch_order"
+    dy = torch.randn(7, 5, 320, generator=torch_gen).to(dtype)
+    y1.backward(dy)
+    y2.backward(dy)
+    _, _, dx64 = oracle(x, ref.weight, dy, 1e-6)
+    assert_close(x2.grad, dx64, dtype)
+    assert_close(x1.grad, dx64, dtype)

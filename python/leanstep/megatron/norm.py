@@ -34,7 +34,8 @@ def _make_wrapped_torch_norm_new(original, spec):
             return module
         _patching.count(spec.name, module.weight.device.type if module.weight is not None
                         else "cpu", "leanstep.torch.RMSNorm")
-        return lt.RMSNorm.from_torch(module, frozen_only=True, enabled=_rmsnorm_active)
+        return lt.RMSNorm.from_torch(module, frozen_only=True, enabled=_rmsnorm_active,
+                                     exact_forward=True)
 
     __new__.__wrapped__ = original
     __new__.__doc__ = original.__doc__
@@ -60,7 +61,8 @@ def convert_norms(model):
             if (child._forward_hooks or child._forward_pre_hooks or child._backward_hooks
                     or child._backward_pre_hooks):
                 continue
-            new = lt.RMSNorm.from_torch(child, frozen_only=True, enabled=_rmsnorm_active)
+            new = lt.RMSNorm.from_torch(child, frozen_only=True, enabled=_rmsnorm_active,
+                                        exact_forward=True)
             new.train(child.training)
             setattr(parent, name, new)
             replaced += 1
