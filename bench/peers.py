@@ -20,9 +20,10 @@ MoE (as `leanstep bench moe`: T 4096, E 128, top-8, H 2048):
   permute, unpermute: Megatron-Core moe_utils vs leanstep (fused).
 
 Megatron-Core's gradient helpers hard-code device='cuda' for their scalars and
-assert a CUDA grad type; to run their own code on the CPU, the harness maps
-those scalar allocations to the CPU and answers the type assertion (nothing
-else in their code path changes). A one-rank gloo process group serves the
+assert a CUDA grad type; to run their own code on the CPU, the harness enters
+leanstep.megatron.cpu's cuda_literals and cuda_type_names shims around each
+call (scalar allocations on the CPU, the type assertion answered; nothing else
+in their code path changes). A one-rank gloo process group serves the
 collectives.
 
 Prints a table (median ms, GB/s, x of the bandwidth floor, speedup vs the
@@ -39,7 +40,6 @@ import socket
 import statistics
 import sys
 import time
-import types
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -49,6 +49,7 @@ import torch  # noqa: E402
 
 import leanstep  # noqa: E402
 import leanstep.megatron as lm  # noqa: E402
+import leanstep.megatron.cpu as mcpu  # noqa: E402
 import leanstep.torch as lt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,47 +114,13 @@ class Results:
 # ---------------------------------------------------------------- running Megatron-Core's own code on CPU
 
 
-class _CpuTorch(types.ModuleType):
-    def __init__(self):
-        super().__init__("torch")
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def _cpu(kwargs):
-        if kwargs.get("device") == "cuda":
-            kwargs["device"] = "cpu"
-        return kwargs
-
-    def zeros(self, *args, **kwargs):
-        return torch.zeros(*args, **self._cpu(kwargs))
-
-    def tensor(self, *args, **kwargs):
-        return torch.tensor(*args, **self._cpu(kwargs))
-
-
 @contextlib.contextmanager
 def megatron_on_cpu():
-    import megatron.core.optimizer.clip_grads as clip_grads
-    import megatron.core.utils as mutils
-
-    shim = _CpuTorch()
-    saved = clip_grads.torch, mutils.torch
-    clip_grads.torch = mutils.torch = shim
-    original_type = torch.Tensor.type
-
-    def cuda_type(self, *args, **kwargs):
-        if not args and not kwargs and self.dtype == torch.float32:
-            return "torch.cuda.FloatTensor"
-        return original_type(self, *args, **kwargs)
-
-    torch.Tensor.type = cuda_type
-    try:
+    """Megatron-Core's own gradient helpers on CPU tensors: leanstep.megatron.cpu's
+    shims for their device='cuda' scalars (clip_grads, utils) and for clip's
+    CUDA grad-type assertion, entered per call as before."""
+    with mcpu.cuda_literals(), mcpu.cuda_type_names():
         yield
-    finally:
-        torch.Tensor.type = original_type
-        clip_grads.torch, mutils.torch = saved
 
 
 def init_process_group():
