@@ -1,0 +1,594 @@
+"""The main job: real Megatron-Core MoE-LoRA training on CPU ranks, with and
+without leanstep, measured by a counterbalanced crossover.
+
+    python -m leanstep.megatron.train [--ep 1,2] [--dtype bf16] [--out DIR] ...
+    python -m leanstep.megatron.train --help
+
+One command starts the ranks itself (torch.distributed.run, gloo, one CPU
+thread per rank) and, when they are done, analyses their step logs with
+leanstep's own statistics. What a run does:
+
+1. Builds a Qwen3-MoE-style GPTModel from megatron-core's local layer spec
+   (RMSNorm, RoPE, GQA, q/k norm, MoE with the alltoall dispatcher, top-k
+   routing, aux loss) on the CPU (:mod:`leanstep.megatron.cpu`), after
+   :func:`leanstep.megatron.install`, so its norms are leanstep's drop-ins.
+2. Adds LoRA adapters (:mod:`leanstep.megatron.lora`; the base is frozen),
+   wraps the model in Megatron DDP with the distributed optimizer (clip 1.0)
+   and wires the gradient reduction as Megatron's training loop does.
+3. Runs the crossover plan (:func:`leanstep.crossover_plan`): every run
+   starts from the same state, the condition (baseline, rmsnorm, grad, all)
+   switches at block boundaries through the preset (:func:`leanstep.set_preset`)
+   without rebuilding anything. Each rank logs every step (JSON Lines).
+4. Audits one step per condition (:func:`leanstep.audit`), and trains a
+   baseline and an "all" run on the same data for the agreement check.
+
+Then it prints the per-condition step summary (step = max over ranks), the
+paired same-position reductions with bootstrap intervals, the audit table,
+the loss / grad-norm agreement, the trainable parameters per rank and the
+first microbatch hash of every rank, and writes them as JSON (``--out``).
+"""
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from functools import partial
+
+CONDITIONS = ("baseline", "rmsnorm", "grad", "all")
+PRESETS = {"baseline": "baseline", "rmsnorm": "rmsnorm", "grad": "grad", "all": "all"}
+DEFAULT_TARGETS = "linear_qkv,linear_proj,linear_fc1,linear_fc2"
+CORPUS = os.path.join("data", "corpus.txt")
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(
+        prog="python -m leanstep.megatron.train",
+        description="Megatron-Core MoE-LoRA training on CPU ranks with and without leanstep: a "
+                    "counterbalanced crossover of four conditions (baseline, rmsnorm, grad, all), "
+                    "an audit of one step per condition, and the baseline-vs-all agreement.")
+    g = ap.add_argument_group("ranks")
+    g.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (default 2)")
+    g.add_argument("--ep", default="1,2",
+                   help="expert-parallel sizes to run, comma-separated (default 1,2)")
+    g = ap.add_argument_group("model (Qwen3-MoE style)")
+    g.add_argument("--hidden", type=int, default=256)
+    g.add_argument("--layers", type=int, default=4)
+    g.add_argument("--heads", type=int, default=8)
+    g.add_argument("--kv-heads", type=int, default=2, help="query groups (GQA)")
+    g.add_argument("--experts", type=int, default=8)
+    g.add_argument("--topk", type=int, default=2)
+    g.add_argument("--moe-ffn", type=int, default=256, help="expert FFN hidden size")
+    g.add_argument("--seq", type=int, default=128)
+    g.add_argument("--micro-batch", type=int, default=2, help="rows per microbatch")
+    g.add_argument("--microbatches", type=int, default=1,
+                   help="microbatches per rank and step (gradient accumulation)")
+    g.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16",
+                   help="parameter dtype (bf16: fp32 main params in the optimizer)")
+    g = ap.add_argument_group("LoRA")
+    g.add_argument("--targets", default=DEFAULT_TARGETS,
+                   help=f"planner target list (default {DEFAULT_TARGETS})")
+    g.add_argument("--lora-rank", type=int, default=8)
+    g.add_argument("--lora-alpha", type=float, default=32.0)
+    g = ap.add_argument_group("crossover")
+    g.add_argument("--runs", type=int, default=4, help="runs of the plan (multiple of 4)")
+    g.add_argument("--block-steps", type=int, default=6)
+    g.add_argument("--warmup", type=int, default=3)
+    g.add_argument("--exclude-after-transition", type=int, default=1)
+    g.add_argument("--agreement-steps", type=int, default=20,
+                   help="steps of the baseline and 'all' runs compared (default 20)")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--seed", type=int, default=1234)
+    g = ap.add_argument_group("output")
+    g.add_argument("--out", default=os.path.join("build", "demo", "megatron"),
+                   help="directory for step logs and results (default build/demo/megatron)")
+    g.add_argument("--corpus", default=CORPUS, help="training text (bytes are tokens)")
+    g.add_argument("--phases", default="crossover,audit,agreement",
+                   help="what to run, comma-separated (default crossover,audit,agreement)")
+    g.add_argument("--no-grad-sync", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--quick", action="store_true",
+                   help="a short run for tests: 1 run per condition order, 2-step blocks")
+    g.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def check_args(ap, args):
+    """Every argument checked before any rank starts."""
+    def bad(arg, rule, value):
+        ap.error(f"argument {arg}: {rule} (got {value!r})")
+
+    for name in ("nproc", "hidden", "layers", "heads", "kv_heads", "experts", "topk", "moe_ffn",
+                 "seq", "micro_batch", "microbatches", "lora_rank", "runs", "block_steps"):
+        if getattr(args, name) < 1:
+            bad("--" + name.replace("_", "-"), "must be >= 1", getattr(args, name))
+    for name in ("warmup", "exclude_after_transition"):
+        if getattr(args, name) < 0:
+            bad("--" + name.replace("_", "-"), "must be >= 0", getattr(args, name))
+    if args.agreement_steps < 2:
+        bad("--agreement-steps", "must be >= 2", args.agreement_steps)
+    if args.topk > args.experts:
+        bad("--topk", "must be <= --experts", args.topk)
+    if args.heads % args.kv_heads or args.hidden % args.heads:
+        bad("--kv-heads", "must divide --heads, and --heads must divide --hidden", args.kv_heads)
+    try:
+        eps = [int(e) for e in str(args.ep).split(",") if e.strip()]
+    except ValueError:
+        bad("--ep", "must be comma-separated integers", args.ep)
+    if not eps or any(e < 1 or args.nproc % e or args.experts % e for e in eps):
+        bad("--ep", "each size must be >= 1 and divide --nproc and --experts", args.ep)
+    args.ep_sizes = eps
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        bad("--lr", "must be a finite number > 0", args.lr)
+    if not os.path.isfile(args.corpus):
+        bad("--corpus", "must be a readable file", args.corpus)
+    if os.path.getsize(args.corpus) < args.seq + 2:
+        bad("--corpus", f"must hold more than --seq + 1 = {args.seq + 1} bytes", args.corpus)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        bad("--out", "must be a directory (or not exist yet)", args.out)
+    if args.quick:
+        args.block_steps = min(args.block_steps, 2)
+        args.warmup = min(args.warmup, 1)
+        args.exclude_after_transition = 0
+        args.agreement_steps = min(args.agreement_steps, 4)
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = sorted(set(phases) - {"crossover", "audit", "agreement"})
+    if unknown or not phases:
+        bad("--phases", "must name crossover, audit and/or agreement", args.phases)
+    args.phase_list = phases
+    if args.runs % len(CONDITIONS):
+        bad("--runs", f"must be a multiple of {len(CONDITIONS)} (balanced plan)", args.runs)
+
+
+# ---------------------------------------------------------------- data
+
+
+class Corpus:
+    """Byte tokens of the corpus; the window of microbatch row b of global
+    microbatch `index` of step `step` comes from (seed, step, index, b), so a
+    step's data depends neither on the condition nor on the rank layout."""
+
+    def __init__(self, path, seq, seed):
+        with open(path, "rb") as f:
+            self.data = f.read()
+        self.seq = seq
+        self.seed = seed
+
+    def microbatch(self, step, index, rows):
+        import torch
+
+        out = []
+        span = len(self.data) - self.seq - 1
+        for b in range(rows):
+            key = hashlib.blake2b(f"{self.seed}:{step}:{index}:{b}".encode(), digest_size=8)
+            offset = int.from_bytes(key.digest(), "little") % span
+            out.append(list(self.data[offset:offset + self.seq + 1]))
+        tokens = torch.tensor(out, dtype=torch.int64)
+        return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                "loss_mask": torch.ones(rows, self.seq),
+                "position_ids": torch.arange(self.seq).expand(rows, self.seq).contiguous()}
+
+
+def microbatch_hash(batch):
+    return hashlib.sha256(batch["tokens"].numpy().tobytes()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- one rank
+
+
+class Trainer:
+    """Model, optimizer and step of one rank; rebuilt for every run so every
+    run starts from the same state."""
+
+    def __init__(self, args, ep, rank, world):
+        self.args, self.ep, self.rank, self.world = args, ep, rank, world
+        self.corpus = Corpus(args.corpus, args.seq, args.seed)
+
+    def build(self):
+        import torch
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        from . import cpu
+        from .lora import apply_lora
+
+        a = self.args
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                     expert_model_parallel_size=self.ep)
+        torch.manual_seed(a.seed)
+        model_parallel_cuda_manual_seed(a.seed, force_reset_rng=True)
+        bf16 = a.dtype == "bf16"
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        config = TransformerConfig(
+            num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+            num_query_groups=a.kv_heads, kv_channels=a.hidden // a.heads,
+            ffn_hidden_size=2 * a.hidden, qk_layernorm=True,
+            num_moe_experts=a.experts, moe_router_topk=a.topk, moe_ffn_hidden_size=a.moe_ffn,
+            moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=1e-3, expert_model_parallel_size=self.ep,
+            normalization="RMSNorm", layernorm_epsilon=1e-6, add_bias_linear=False,
+            gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+            use_cpu_initialization=True, params_dtype=dtype, bf16=bf16,
+            hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
+            bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+            apply_rope_fusion=False)
+        spec = get_gpt_layer_local_spec(num_experts=a.experts, moe_grouped_gemm=False,
+                                        qk_layernorm=True, normalization="RMSNorm")
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=256,
+                         max_sequence_length=a.seq, position_embedding_type="rope",
+                         share_embeddings_and_output_weights=False)
+        self.lora = apply_lora(model, targets=a.targets.split(","), rank=a.lora_rank,
+                               alpha=a.lora_alpha, seed=a.seed)
+        self.base_checksum = base_checksum(model)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=True)
+        self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        opt_config = OptimizerConfig(optimizer="adam", lr=a.lr, weight_decay=0.0, clip_grad=1.0,
+                                     use_distributed_optimizer=True, bf16=bf16, params_dtype=dtype)
+        self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+        if not a.no_grad_sync:  # (tests only: the silent pitfall of a hand-written loop)
+            cpu.finalize_model_grads_config(config, [self.model], self.optimizer)
+        self.config = config
+        return self
+
+    def step(self, step):
+        import torch
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        a = self.args
+        batches = [self.corpus.microbatch(step, self.rank * a.microbatches + m, a.micro_batch)
+                   for m in range(a.microbatches)]
+
+        def loss_func(loss_mask, output_tensor):
+            loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum()
+            return loss, {"lm loss": loss.detach().clone()}
+
+        def forward_step(data_iterator, model):
+            b = next(data_iterator)
+            out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+            return out, partial(loss_func, b["loss_mask"])
+
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
+            num_microbatches=len(batches), seq_length=a.seq, micro_batch_size=a.micro_batch,
+            forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        duration = time.perf_counter() - start
+        loss = sum(o["lm loss"] for o in out) / len(out)
+        # The loss the step logs is the data-parallel mean, as Megatron reports it.
+        torch.distributed.all_reduce(loss)
+        loss = float(loss) / self.world
+        return (duration, loss, float(grad_norm) if grad_norm is not None else float("nan"), ok,
+                batches[0])
+
+
+def base_checksum(model):
+    """sha256 over every non-adapter parameter (the frozen base)."""
+    from .lora import is_lora_parameter_name
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        if not is_lora_parameter_name(name):
+            h.update(name.encode())
+            h.update(p.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def plan_steps(plan, run_index):
+    """[(condition, block)] of every step of a run: warm-up steps run block 0's condition."""
+    run = plan["runs"][run_index]
+    steps = [(run["blocks"][0], 0)] * plan["warmup"]
+    for block, condition in enumerate(run["blocks"]):
+        steps += [(condition, block)] * plan["block_steps"]
+    return steps
+
+
+def worker(args):
+    import torch
+
+    import leanstep
+    import leanstep.megatron as lm
+
+    from . import cpu
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    results = {"rank": rank, "ep": {}}
+    say = (lambda *m: print(*m, file=sys.stderr, flush=True)) if rank == 0 else (lambda *m: None)
+    lm.install()  # before the model is built: its RMSNorms become leanstep's drop-ins
+    try:
+        with cpu.megatron_on_cpu():
+            for ep in args.ep_sizes:
+                results["ep"][str(ep)] = run_ep(args, ep, rank, world, say)
+    finally:
+        leanstep.set_preset("all")
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        results["report"] = lm.report()
+        lm.uninstall()
+        torch.distributed.destroy_process_group()
+    with open(os.path.join(args.out, f"results.rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+def run_ep(args, ep, rank, world, say):
+    import torch
+
+    import leanstep
+
+    out_dir = os.path.join(args.out, f"ep{ep}")
+    plan = json.load(open(os.path.join(out_dir, "plan.json")))
+    trainer = Trainer(args, ep, rank, world)
+    result = {"runs": []}
+    log_path = os.path.join(out_dir, "crossover", f"steps.rank{rank}.jsonl")
+    runs = plan["runs"] if "crossover" in args.phase_list else []
+    with open(log_path, "w") as log:
+        for run_index, run in enumerate(runs):
+            trainer.build()
+            if run_index == 0:
+                result["trainable"] = trainer.lora.layout() if hasattr(trainer.lora, "layout") \
+                    else None
+                result["num_trainable_params"] = trainer.lora.num_params
+                result["num_trainable_tensors"] = trainer.lora.num_tensors
+            current = None
+            for step, (condition, block) in enumerate(plan_steps(plan, run_index)):
+                if condition != current:
+                    leanstep.set_preset(PRESETS[condition])  # at a block boundary
+                    current = condition
+                duration, loss, grad_norm, ok, batch = trainer.step(step)
+                if run_index == 0 and step < 2:
+                    result.setdefault("first_microbatch_hashes", []).append(microbatch_hash(batch))
+                log.write(json.dumps({"run": run["run"], "rank": rank, "step": step,
+                                      "duration_s": duration, "condition": condition,
+                                      "block": block, "loss": loss, "grad_norm": grad_norm,
+                                      "allocation": run["allocation"]}) + "\n")
+            log.flush()
+            say(f"[ep {ep}] {run['run']}: {len(plan_steps(plan, run_index))} steps "
+                f"({' '.join(run['blocks'])}), last loss {loss:.4f}")
+
+    if not runs:
+        trainer.build()
+        result["num_trainable_params"] = trainer.lora.num_params
+        result["num_trainable_tensors"] = trainer.lora.num_tensors
+        result["first_microbatch_hashes"] = [
+            microbatch_hash(trainer.corpus.microbatch(s, rank * args.microbatches, args.micro_batch))
+            for s in range(2)]
+    if "audit" in args.phase_list:
+        result["audit"] = audit_conditions(trainer, say, ep)
+    if "agreement" in args.phase_list:
+        agreement(args, trainer, out_dir, rank, result, say, ep)
+    result["trainable_names"] = [
+        [n, list(p.shape)] for n, p in trainer.model.module.named_parameters() if p.requires_grad]
+    return result
+
+
+def audit_conditions(trainer, say, ep):
+    """One audited step per condition (each rank audits its own)."""
+    import leanstep
+
+    trainer.build()
+    trainer.step(0)  # the plans and buffers exist before the audited steps
+    audits = {}
+    for i, condition in enumerate(CONDITIONS):
+        leanstep.set_preset(PRESETS[condition])
+        with leanstep.audit() as a:
+            trainer.step(1 + i)
+        audits[condition] = {"ops": a.num_ops, "view_ops": a.num_view_ops,
+                             "syncs": a.num_syncs, "host_reads": a.num_host_reads,
+                             "device_reads": a.num_device_reads,
+                             "top_syncs": [[str(k.site), n] for k, n in a.syncs.most_common(4)]}
+    say(f"[ep {ep}] audited one step per condition")
+    return audits
+
+
+def agreement(args, trainer, out_dir, rank, result, say, ep):
+    """baseline vs all: the same initial state and data."""
+    import leanstep
+
+    for condition in ("baseline", "all"):
+        trainer.build()
+        leanstep.set_preset(PRESETS[condition])
+        path = os.path.join(out_dir, condition, f"steps.rank{rank}.jsonl")
+        losses, norms = [], []
+        with open(path, "w") as log:
+            for step in range(args.agreement_steps):
+                duration, loss, grad_norm, ok, _ = trainer.step(step)
+                losses.append(loss)
+                norms.append(grad_norm)
+                log.write(json.dumps({"run": condition, "rank": rank, "step": step,
+                                      "duration_s": duration, "condition": condition,
+                                      "loss": loss, "grad_norm": grad_norm}) + "\n")
+        result[f"{condition}_losses"], result[f"{condition}_grad_norms"] = losses, norms
+        result[f"{condition}_base_checksum_before"] = trainer.base_checksum
+        result[f"{condition}_base_checksum_after"] = base_checksum(trainer.model.module)
+    say(f"[ep {ep}] agreement runs done ({args.agreement_steps} steps each)")
+
+
+# ---------------------------------------------------------------- the launcher
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, argv):
+    import leanstep
+
+    os.makedirs(args.out, exist_ok=True)
+    for ep in args.ep_sizes:
+        ep_dir = os.path.join(args.out, f"ep{ep}")
+        for sub in ("crossover", "baseline", "all"):
+            os.makedirs(os.path.join(ep_dir, sub), exist_ok=True)
+            for f in os.listdir(os.path.join(ep_dir, sub)):
+                if f.endswith(".jsonl"):
+                    os.remove(os.path.join(ep_dir, sub, f))
+        plan = leanstep.crossover_plan(list(CONDITIONS), args.runs, args.block_steps, args.warmup,
+                                       exclude_after_transition=args.exclude_after_transition)
+        with open(os.path.join(ep_dir, "plan.json"), "w") as f:
+            json.dump(plan, f, indent=1)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR",
+               PYTHONWARNINGS="ignore")
+    # The ranks get this command's arguments through the environment: on
+    # torchrun's command line an option like --nproc could be taken as its own.
+    env["LEANSTEP_TRAIN_ARGV"] = json.dumps(argv)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "leanstep.megatron.train", "--worker"]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, env=env)
+    if done.returncode != 0:
+        print(f"leanstep.megatron.train: the ranks failed (exit {done.returncode})",
+              file=sys.stderr)
+        return done.returncode
+    results = analyse(args, time.perf_counter() - start)
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print(format_results(results))
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+def _diffs(a, b):
+    d = [abs(x - y) for x, y in zip(a, b)]
+    rel = [abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b)]
+    return {"mean_abs": sum(d) / len(d), "max_abs": max(d), "max_rel": max(rel),
+            "all_finite": all(math.isfinite(v) for v in list(a) + list(b))}
+
+
+def analyse(args, seconds):
+    import megatron.core
+
+    import leanstep
+
+    ranks = [json.load(open(os.path.join(args.out, f"results.rank{r}.json")))
+             for r in range(args.nproc)]
+    out = {"megatron_core_version": megatron.core.__version__, "python": sys.version.split()[0],
+           "seconds": seconds, "settings": {k: v for k, v in vars(args).items()
+                                            if k not in ("worker", "json")},
+           "ep": {}, "patches": ranks[0]["report"]}
+    for ep in args.ep_sizes:
+        ep_dir = os.path.join(args.out, f"ep{ep}")
+        per_rank = [r["ep"][str(ep)] for r in ranks]
+        r0 = per_rank[0]
+        e = out["ep"][str(ep)] = {
+            "trainable": {r: {"params": pr["num_trainable_params"],
+                              "tensors": pr["num_trainable_tensors"],
+                              "names": pr["trainable_names"]} for r, pr in enumerate(per_rank)},
+            "first_microbatch_hashes": {r: pr["first_microbatch_hashes"]
+                                        for r, pr in enumerate(per_rank)},
+        }
+        if "crossover" in args.phase_list:
+            e["crossover"] = leanstep.crossover_analysis([os.path.join(ep_dir, "crossover")],
+                                                         plan=os.path.join(ep_dir, "plan.json"),
+                                                         baseline="baseline")
+        if "audit" in args.phase_list:
+            e["audit"] = {r: pr["audit"] for r, pr in enumerate(per_rank)}
+        if "agreement" in args.phase_list:
+            e["agreement"] = {"steps": args.agreement_steps,
+                              "loss": _diffs(r0["all_losses"], r0["baseline_losses"]),
+                              "grad_norm": _diffs(r0["all_grad_norms"], r0["baseline_grad_norms"])}
+            e["base_unchanged"] = all(
+                pr[f"{c}_base_checksum_before"] == pr[f"{c}_base_checksum_after"]
+                for pr in per_rank for c in ("baseline", "all"))
+            e["losses"] = {"baseline": r0["baseline_losses"], "all": r0["all_losses"]}
+            e["grad_norms"] = {"baseline": r0["baseline_grad_norms"], "all": r0["all_grad_norms"]}
+    return out
+
+
+def format_results(r):
+    lines = [f"== leanstep.megatron.train: megatron-core {r['megatron_core_version']} "
+             f"(Python {r['python']}), {r['settings']['nproc']} gloo ranks, "
+             f"{r['settings']['dtype']}, {r['seconds']:.0f} s"]
+    for ep, e in r["ep"].items():
+        lines.append(f"-- EP {ep}")
+        xo = e.get("crossover", {})
+        if xo:
+            lines.append("  step duration per condition (max over ranks, after warm-up), s:")
+        for c in xo.get("conditions", []):
+            lines.append(f"    {c['condition']:<9} median {c.get('median_s', float('nan')):.4f}  "
+                         f"mean {c.get('mean_s', float('nan')):.4f}")
+        if xo:
+            lines.append("  paired same-position reductions vs baseline (geometric mean of "
+                         "ratios, bootstrap 95% CI; positive = faster):")
+        for c in xo.get("comparisons", []):
+            if c.get("versus") != "baseline":
+                continue
+            lines.append(f"    {c['condition']:<9} {100 * c['reduction']:+6.1f}%  "
+                         f"[{100 * c['ci_low']:+.1f}%, {100 * c['ci_high']:+.1f}%]  "
+                         f"({c['matched_positions']} matched positions)")
+        if "audit" in e:
+            lines.append("  audit of one step per condition (rank 0: aten ops (views), host "
+                         "syncs, host reads):")
+        for cond, a in e.get("audit", {0: {}})[0].items():
+            lines.append(f"    {cond:<9} {a['ops']:>6} ({a['view_ops']}) {a['syncs']:>4} "
+                         f"{a['host_reads']:>4}")
+        ag = e.get("agreement")
+        if ag:
+            lines.append(f"  agreement over {ag['steps']} steps, all vs baseline: loss mean |diff| "
+                     f"{ag['loss']['mean_abs']:.3g}, max {ag['loss']['max_abs']:.3g}; grad norm "
+                     f"mean |diff| {ag['grad_norm']['mean_abs']:.3g}, max "
+                     f"{ag['grad_norm']['max_abs']:.3g}; all finite: "
+                     f"{ag['loss']['all_finite'] and ag['grad_norm']['all_finite']}")
+            lines.append(f"  base weights unchanged (checksum): {e['base_unchanged']}")
+        for rank, t in e["trainable"].items():
+            lines.append(f"  rank {rank}: {t['params']} trainable params in {t['tensors']} tensors "
+                         f"(first: {t['names'][0][0]} {t['names'][0][1]})")
+        for rank, h in e["first_microbatch_hashes"].items():
+            lines.append(f"  rank {rank} first microbatch hashes: {' '.join(h)}")
+    lines.append("(agreement over these steps does not prove long-term convergence equivalence)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--worker"] and "LEANSTEP_TRAIN_ARGV" in os.environ:
+        argv = json.loads(os.environ["LEANSTEP_TRAIN_ARGV"]) + ["--worker"]
+    warnings.filterwarnings("ignore")
+    import logging
+
+    # torch says at import that this machine has no CUDA runtime: known here.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    check_args(ap, args)
+    if args.worker:
+        try:
+            worker(args)
+        except BaseException:
+            import traceback
+
+            print(f"rank {os.environ.get('RANK', '?')}: {traceback.format_exc()}", file=sys.stderr,
+                  flush=True)
+            raise
+        return 0
+    return launch(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
