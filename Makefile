@@ -12,7 +12,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
 .PHONY: all sysdeps pydeps pydeps312 build python python312 test test-cpp test-python \
-        test-python312 test-asan test-tsan demo bench clean
+        test-python312 test-asan test-tsan demo demo-cpp bench clean
 
 all: build
 
@@ -80,25 +80,28 @@ test-tsan: sysdeps
 	cmake --build --preset tsan -j $(JOBS) --target tsan_tests
 	ctest --preset tsan -j $(JOBS) --no-tests=error
 
-# The main job: a counterbalanced crossover of the training step (tiny MoE-LoRA
-# preset, 2 MPI ranks, 4 conditions: baseline, rmsnorm only, grad only, all),
-# its paired step-duration reductions, then the loss / grad-norm agreement of a
-# baseline run and an "all" run. One BLAS/OpenMP thread per rank (2 cores).
+# The main job: real Megatron-Core MoE-LoRA training on 2 gloo CPU ranks
+# (python -m leanstep.megatron.train --help), at EP 1 and EP 2: a
+# counterbalanced crossover of baseline, rmsnorm, grad and all, an audit of
+# one step per condition, the baseline-vs-all agreement. megatron-core 0.16.1
+# (Python 3.11), then 0.19.2 when this machine has a Python 3.12.
 DEMO_DIR := $(BUILD)/demo
-DEMO_MPI := mpirun -np 2 --oversubscribe -x OMP_NUM_THREADS=1 -x OPENBLAS_NUM_THREADS=1
-demo: pydeps build
+demo: python python312
 	@rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
-	@echo "== crossover: examples/tiny-moe/crossover-plan.json, 2 ranks (this machine's CPUs)"
+	$(PY) -m leanstep.megatron.train --out $(DEMO_DIR)/megatron-0.16
+ifneq ($(PYTHON312),)
+	$(PY312) -m leanstep.megatron.train --out $(DEMO_DIR)/megatron-0.19
+else
+	@echo "NOT RUN: megatron-core 0.17+ (no Python 3.12 on this machine)"
+endif
+
+# The C++ training step, the example for C++ callers of the library: the same
+# crossover on leanstep's own C++ model, 2 MPI ranks.
+DEMO_MPI := mpirun -np 2 --oversubscribe -x OMP_NUM_THREADS=1 -x OPENBLAS_NUM_THREADS=1
+demo-cpp: build
+	@mkdir -p $(DEMO_DIR)/cpp
 	$(DEMO_MPI) $(BUILD)/release/leanstep train --config examples/tiny-moe/tiny.json \
-	  --crossover examples/tiny-moe/crossover-plan.json --log $(DEMO_DIR)/crossover/steps.jsonl
-	@echo "== agreement: baseline vs all, same seeds and microbatches, 2 ranks, 20 steps"
-	$(DEMO_MPI) $(BUILD)/release/leanstep train --config examples/tiny-moe/tiny.json --steps 20 \
-	  --preset baseline --log $(DEMO_DIR)/baseline/steps.jsonl > $(DEMO_DIR)/baseline.txt
-	$(DEMO_MPI) $(BUILD)/release/leanstep train --config examples/tiny-moe/tiny.json --steps 20 \
-	  --preset all --log $(DEMO_DIR)/all/steps.jsonl > $(DEMO_DIR)/all.txt
-	$(BUILD)/release/leanstep steps compare $(DEMO_DIR)/baseline $(DEMO_DIR)/all --warmup 4 --window 8
-	@echo "(agreement over 20 steps does not prove long-term convergence equivalence)"
-	@if $(BUILD)/release/leanstep demo --help >/dev/null 2>&1; then $(BUILD)/release/leanstep demo; fi
+	  --crossover examples/tiny-moe/crossover-plan.json --log $(DEMO_DIR)/cpp/steps.jsonl
 
 bench: build python
 	$(BUILD)/release/leanstep bench grad
