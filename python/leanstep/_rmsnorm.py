@@ -6,30 +6,62 @@
     g    = weight, or 1 + weight with zero_centered_gamma
 """
 
-from . import _leanstep
+from . import _backend, _leanstep
 from ._arrays import dtype_name, result, view
 
 __all__ = ["rms_norm", "rms_norm_backward"]
 
 
 def rms_norm(x, weight, eps, zero_centered_gamma=False, rounding="scale_then_cast", *,
-             out=None, rstd_out=None, impl="fused"):
+             out=None, rstd_out=None, impl="fused", backend=None):
     """Returns ``(y, rstd)``: y of x's shape and dtype, rstd fp32 of shape
     ``x.shape[:-1]``. ``out=`` may be x itself for an in-place norm.
-    ``impl="reference"`` runs the per-element oracle instead of the fused kernel."""
+    ``impl="reference"`` runs the per-element oracle instead of the fused kernel.
+    Tensors on a device other than the CPU (or ``backend="torch"``) run the
+    torch-op backend (no host read)."""
     x, weight = view(x), view(weight)
+    chosen = _backend.choose([x, weight, out, rstd_out], backend, "rms_norm",
+                             ["x", "weight", "out", "rstd_out"])
+    if chosen == "torch":
+        from .backends import torch_rmsnorm
+
+        _backend.record("rmsnorm.forward", "torch", x.device.type)
+        y, rstd = torch_rmsnorm.forward(x, weight, float(eps), zero_centered_gamma, rounding,
+                                        impl="composite" if impl == "reference" else None)
+        if out is not None:
+            y = result(x.shape, dtype_name(x), x, out, "rms_norm", "out").copy_(y)
+        if rstd_out is not None:
+            rstd = result(x.shape[:-1], "float32", x, rstd_out, "rms_norm", "rstd_out").copy_(rstd)
+        return y, rstd
     y = result(x.shape, dtype_name(x), x, out, "rms_norm", "out")
     rstd = result(x.shape[:-1], "float32", x, rstd_out, "rms_norm", "rstd_out")
+    _backend.record("rmsnorm.forward", "cpu", "cpu")
     _leanstep.rmsnorm_forward(x, weight, y, rstd, float(eps), zero_centered_gamma, rounding, impl)
     return y, rstd
 
 
 def rms_norm_backward(dy, x, rstd, weight, zero_centered_gamma=False, weight_requires_grad=True,
-                      *, dx_out=None, dweight_out=None, impl="fused"):
+                      *, dx_out=None, dweight_out=None, impl="fused", backend=None):
     """Returns ``(dx, dweight)``: dx in x's dtype; dweight in the weight's dtype,
     or None when the weight is frozen (``weight_requires_grad=False``), in which
     case no cross-row reduction runs at all."""
     dy, x, rstd, weight = view(dy), view(x), view(rstd), view(weight)
+    chosen = _backend.choose([dy, x, rstd, weight, dx_out, dweight_out], backend,
+                             "rms_norm_backward",
+                             ["dy", "x", "rstd", "weight", "dx_out", "dweight_out"])
+    if chosen == "torch":
+        from .backends import torch_rmsnorm
+
+        _backend.record("rmsnorm.backward", "torch", x.device.type)
+        dx, dweight = torch_rmsnorm.backward(dy, x, rstd, weight, zero_centered_gamma,
+                                             weight_requires_grad)
+        if dx_out is not None:
+            dx = result(x.shape, dtype_name(x), x, dx_out, "rms_norm_backward", "dx_out").copy_(dx)
+        if dweight_out is not None and dweight is not None:
+            dweight = result(weight.shape, dtype_name(weight), weight, dweight_out,
+                             "rms_norm_backward", "dweight_out").copy_(dweight)
+        return dx, dweight
+    _backend.record("rmsnorm.backward", "cpu", "cpu")
     dx = result(x.shape, dtype_name(x), x, dx_out, "rms_norm_backward", "dx_out")
     dweight = None
     if weight_requires_grad:

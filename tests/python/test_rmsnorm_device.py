@@ -186,3 +186,32 @@ def test_exact_forward_is_bit_identical_to_torch_rmsnorm(dtype, backend, torch_g
     _, _, dx64 = oracle(x, ref.weight, dy, 1e-6)
     assert_close(x2.grad, dx64, dtype)
     assert_close(x1.grad, dx64, dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("weight_requires_grad", [False, True])
+def test_functional_entry_points_take_the_device_backend(dtype, weight_requires_grad, torch_gen):
+    x = torch.randn(5, 40, generator=torch_gen).to(dtype)
+    w = (torch.rand(40, generator=torch_gen) + 0.5).to(dtype)
+    dy = torch.randn(5, 40, generator=torch_gen).to(dtype)
+    y_cpu, r_cpu = leanstep.rms_norm(x, w, 1e-5)
+    y_dev, r_dev = leanstep.rms_norm(x, w, 1e-5, backend="torch")
+    y64, r64, dx64 = oracle(x, w, dy, 1e-5)
+    assert_close(y_dev, y64, dtype)
+    assert_close(r_dev, r64, torch.float32, rel_rows=0, ulps=64)
+    dx, dw = leanstep.rms_norm_backward(dy, x, r_dev, w, weight_requires_grad=weight_requires_grad,
+                                        backend="torch")
+    assert_close(dx, dx64, dtype)
+    dx_cpu, dw_cpu = leanstep.rms_norm_backward(dy, x, r_cpu, w,
+                                                weight_requires_grad=weight_requires_grad)
+    if weight_requires_grad:
+        dw64 = (to_f64(dy) * to_f64(x) * r64[..., None]).sum(0)
+        assert_close(dw, dw64[None, :], dtype, rel_rows=64 * U * 5)
+    else:
+        assert dw is None and dw_cpu is None
+    # On meta every entry point completes with no host read.
+    with leanstep.audit() as a:
+        ym, rm = leanstep.rms_norm(x.to("meta"), w.to("meta"), 1e-5)
+        leanstep.rms_norm_backward(dy.to("meta"), x.to("meta"), rm, w.to("meta"),
+                                   weight_requires_grad=weight_requires_grad)
+    assert a.num_syncs == 0 and ym.device.type == "meta"
