@@ -27,8 +27,11 @@ in their code path changes). A one-rank gloo process group serves the
 collectives.
 
 Prints a table (median ms, GB/s, x of the bandwidth floor, speedup vs the
-first peer of the op) and JSON lines {bench, case, op, variant, median_ms,
-bytes, gbps}. The machine may be shared: medians, repeated runs.
+first peer of the op, and for the gradient engine the aten ops and host syncs
+of one call counted by leanstep.audit) and JSON lines {bench, case, op,
+variant, median_ms, bytes, gbps, aten_ops, host_syncs}, then the host
+overhead of the Megatron patch: the patched call over the direct leanstep
+call. The machine may be shared: medians, repeated runs.
 """
 
 import argparse
@@ -79,11 +82,16 @@ class Results:
         self.rows = []
         self.args = args
         self.floors = {}
+        self.overheads = []
 
-    def add(self, bench, case, op, variant, median_ms, nbytes, floor_access):
+    def add(self, bench, case, op, variant, median_ms, nbytes, floor_access, audit=None):
         row = {"bench": bench, "case": case, "op": op, "variant": variant,
                "median_ms": round(median_ms, 4), "bytes": int(nbytes),
                "gbps": round(nbytes / (median_ms * 1e-3) / 1e9, 3)}
+        if audit is not None:  # one call under leanstep.audit: aten ops and host syncs
+            row["aten_ops"] = audit.num_ops
+            row["host_syncs"] = audit.num_syncs
+            row["host_reads"] = audit.num_host_reads
         floor = self.floors.get(floor_access)
         if floor:
             floor_ms = nbytes / (floor * 1e9) * 1e3
@@ -97,7 +105,7 @@ class Results:
     def table(self):
         out = []
         header = f"{'bench':8s} {'case':34s} {'op':15s} {'variant':34s} {'median ms':>10s} " \
-                 f"{'GB/s':>8s} {'x floor':>8s} {'speedup':>8s}"
+                 f"{'GB/s':>8s} {'x floor':>8s} {'speedup':>8s} {'aten ops':>8s} {'syncs':>6s}"
         out.append(header)
         out.append("-" * len(header))
         baseline = {}
@@ -107,7 +115,7 @@ class Results:
             speedup = baseline[key] / r["median_ms"]
             out.append(f"{r['bench']:8s} {r['case']:34s} {r['op']:15s} {r['variant']:34s} "
                        f"{r['median_ms']:10.3f} {r['gbps']:8.2f} {r.get('x_floor', float('nan')):8.2f} "
-                       f"{speedup:8.2f}")
+                       f"{speedup:8.2f} {r.get('aten_ops', ''):>8} {r.get('host_syncs', ''):>6}")
         return "\n".join(out)
 
 
@@ -175,7 +183,9 @@ def bench_grad(results, args):
         print(f"{case}: {plan.num_tensors} grads, {nbytes / 2**20:.1f} MiB, "
               f"{plan.num_regions} regions", file=sys.stderr)
         norm, found_inf = plan.norm()
-        max_norm = float(norm.item()) * (1 - 1e-6)  # every clip multiplies by just under 1
+        norm_value = float(norm.item())  # read once here, not inside the timed calls
+        max_norm = norm_value * (1 - 1e-6)  # every clip multiplies by just under 1
+        torch_plan = leanstep.GradPlan(grads, backend="torch")  # the device backend, on CPU
         # Parameters for torch.nn.utils.clip_grad_norm_: zero-stride stand-ins
         # (no memory) whose .grad are the buffer views.
         tparams = []
@@ -214,7 +224,7 @@ def bench_grad(results, args):
 
         def meg_clip_call():
             with megatron_on_cpu():
-                meg_clip(mparams, max_norm, float(norm.item()))
+                meg_clip(mparams, max_norm, norm_value)
 
         def meg_norm_clip():
             with megatron_on_cpu():
@@ -245,7 +255,7 @@ def bench_grad(results, args):
                 ("megatron clip_grad_by_total_norm", meg_clip_call),
                 ("leanstep GradPlan.clip_", lambda: plan.clip_(max_norm, norm)),
                 ("megatron patched by leanstep", lambda: patched_clip(mparams, max_norm,
-                                                                      float(norm.item()))),
+                                                                      norm_value)),
             ]),
             ("norm_clip", 2 * nbytes, "copy", [
                 ("torch clip_grad_norm_ foreach=False",
@@ -254,14 +264,30 @@ def bench_grad(results, args):
                  lambda: torch.nn.utils.clip_grad_norm_(tparams, max_norm, foreach=True)),
                 ("megatron norm + clip", meg_norm_clip),
                 ("leanstep GradPlan.norm_clip_", lambda: plan.norm_clip_(max_norm)),
+                ("leanstep torch-op backend (on CPU)", lambda: torch_plan.norm_clip_(max_norm)),
                 ("megatron patched by leanstep", patched_norm_clip),
             ]),
         ]
         for op, op_bytes, access, variants in ops:
             for variant, fn in variants:
                 ms = time_it(fn, reps, secs)
-                results.add("grad", case, op, variant, ms, op_bytes, access)
-        del buffers, grads, plan, tparams, mparams
+                with leanstep.audit() as audit:
+                    fn()
+                results.add("grad", case, op, variant, ms, op_bytes, access, audit)
+        # What the patch itself costs on the host: the patched Megatron call
+        # against the direct leanstep call, timed alternately (paired medians).
+        direct_ms, patched_ms = [], []
+        for _ in range(3):
+            direct_ms.append(time_it(lambda: plan.norm(), reps, secs))
+            patched_ms.append(time_it(lambda: patched_norm(grads), reps, secs))
+        ratio = statistics.median(p / d for p, d in zip(patched_ms, direct_ms))
+        results.overheads.append({"bench": "grad", "case": case, "op": "norm",
+                                  "patched_over_direct": round(ratio, 3),
+                                  "direct_ms": round(statistics.median(direct_ms), 4),
+                                  "patched_ms": round(statistics.median(patched_ms), 4)})
+        print(f"  {case}: megatron patched / leanstep direct (norm) = {ratio:.3f}x",
+              file=sys.stderr)
+        del buffers, grads, plan, torch_plan, tparams, mparams
 
 
 # ---------------------------------------------------------------- RMSNorm
@@ -395,11 +421,18 @@ def main():
               "(bytes / bandwidth of the op's access pattern)\n")
         print(results.table())
         print()
+        for o in results.overheads:
+            print(f"host overhead of the patch ({o['case']}, {o['op']}): megatron patched "
+                  f"{o['patched_ms']:.3f} ms / leanstep direct {o['direct_ms']:.3f} ms = "
+                  f"{o['patched_over_direct']:.3f}x (paired medians)")
+        print()
     for access, gbps in results.floors.items():
         print(json.dumps({"bench": "peers", "case": "bandwidth", "op": access,
                           "variant": "measured", "gbps": round(gbps, 3)}))
     for row in results.rows:
         print(json.dumps(row))
+    for o in results.overheads:
+        print(json.dumps(dict(o, variant="patched_over_direct")))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
