@@ -84,29 +84,6 @@ def assert_all_original():
 # ---------------------------------------------------------------- running Megatron's originals on CPU
 
 
-class _CpuTorch(types.ModuleType):
-    """torch, except that tensors the code asks for on 'cuda' are made on the
-    CPU: Megatron-Core's gradient helpers hard-code device='cuda'."""
-
-    def __init__(self):
-        super().__init__("torch")
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def _cpu(kwargs):
-        if kwargs.get("device") == "cuda":
-            kwargs["device"] = "cpu"
-        return kwargs
-
-    def zeros(self, *args, **kwargs):
-        return torch.zeros(*args, **self._cpu(kwargs))
-
-    def tensor(self, *args, **kwargs):
-        return torch.tensor(*args, **self._cpu(kwargs))
-
-
 class _CudaTyped(torch.Tensor):
     """A CPU fp32 tensor that reports the legacy CUDA type name the original
     clip function asserts on; every op still runs on the CPU storage."""
@@ -118,12 +95,13 @@ class _CudaTyped(torch.Tensor):
 
 
 @pytest.fixture
-def megatron_on_cpu(monkeypatch):
-    import megatron.core.utils as mutils
+def megatron_on_cpu():
+    """Megatron-Core's own gradient helpers on CPU tensors: leanstep.megatron.cpu's
+    shims for their device='cuda' scalars and clip's CUDA grad-type assertion."""
+    import leanstep.megatron.cpu as mcpu
 
-    shim = _CpuTorch()
-    monkeypatch.setattr(clip_grads, "torch", shim)
-    monkeypatch.setattr(mutils, "torch", shim)
+    with mcpu.cuda_literals(), mcpu.cuda_type_names():
+        yield
 
 
 class Param:
