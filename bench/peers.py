@@ -27,8 +27,8 @@ in their code path changes). A one-rank gloo process group serves the
 collectives.
 
 Prints a table (median ms, GB/s, x of the bandwidth floor, speedup vs the
-first peer of the op, and for the gradient engine the aten ops and host syncs
-of one call counted by leanstep.audit) and JSON lines {bench, case, op,
+first peer of the op, and the aten ops and host syncs of one call of every
+variant counted by leanstep.audit) and JSON lines {bench, case, op,
 variant, median_ms, bytes, gbps, aten_ops, host_syncs}, then the host
 overhead of the Megatron patch: the patched call over the direct leanstep
 call. The machine may be shared: medians, repeated runs.
@@ -75,6 +75,13 @@ def time_it(fn, min_reps, min_seconds, warmup=1, setup=None):
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def audited(fn):
+    """One more call of `fn` under leanstep.audit (after its timing)."""
+    with leanstep.audit() as audit:
+        fn()
+    return audit
 
 
 class Results:
@@ -271,9 +278,7 @@ def bench_grad(results, args):
         for op, op_bytes, access, variants in ops:
             for variant, fn in variants:
                 ms = time_it(fn, reps, secs)
-                with leanstep.audit() as audit:
-                    fn()
-                results.add("grad", case, op, variant, ms, op_bytes, access, audit)
+                results.add("grad", case, op, variant, ms, op_bytes, access, audited(fn))
         # What the patch itself costs on the host: the patched Megatron call
         # against the direct leanstep call, timed alternately (paired medians).
         direct_ms, patched_ms = [], []
@@ -339,14 +344,14 @@ def bench_rmsnorm(results, args):
                 with torch.no_grad():
                     m(x)
             results.add("rmsnorm", case, "forward", variant, time_it(fwd, reps, secs), fwd_bytes,
-                        "copy")
+                        "copy", audited(fwd))
         xg = x.clone().requires_grad_()
         for variant, m in modules:
             def fwd_bwd(m=m):
                 xg.grad = None
                 m(xg).backward(dy)
             results.add("rmsnorm", case, "fwd_bwd_frozen", variant, time_it(fwd_bwd, reps, secs),
-                        fwd_bwd_bytes, "copy")
+                        fwd_bwd_bytes, "copy", audited(fwd_bwd))
         assert ln.last_decision["path"] == "frozen_fused", ln.last_decision
 
 
@@ -379,7 +384,7 @@ def bench_moe(results, args):
             ]
             for variant, fn in variants:
                 results.add("moe", case, "permute", variant, time_it(fn, reps, secs), permute_bytes,
-                            "copy")
+                            "copy", audited(fn))
             variants = [
                 ("megatron moe_utils.unpermute",
                  lambda: moe_utils.unpermute(permuted, idx, (T, H), probs=probs,
@@ -390,7 +395,7 @@ def bench_moe(results, args):
             ]
             for variant, fn in variants:
                 results.add("moe", case, "unpermute", variant, time_it(fn, reps, secs),
-                            unpermute_bytes, "copy")
+                            unpermute_bytes, "copy", audited(fn))
         del tokens, permuted
 
 

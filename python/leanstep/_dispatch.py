@@ -65,15 +65,22 @@ def group_enabled(group):
 
 def paths():
     """``{"preset", "ops": {op: {"fast_paths_enabled", "cpu": {...C++ report...},
-    "torch": {device_type: calls}}}}``: every op of the vocabulary with its
-    CPU implementations (installed, active, guards, calls and reasons) and the
-    calls the device backends ran."""
+    "implementations": {backend: how}, "calls": {backend: {device_type: n}}}}}``:
+    every op of the vocabulary with its CPU implementations (installed, active,
+    guards, calls and reasons), the device backends' implementations, and the
+    calls each backend ran per device."""
     report = {"preset": preset(), "ops": {}}
     if "dispatch_paths_json" in dir(_leanstep):
         cpp = json.loads(_leanstep.dispatch_paths_json())
         for op in cpp["ops"]:
             name = op.pop("op")
             report["ops"][name] = {"fast_paths_enabled": op_enabled(name), "cpu": op}
+    from .backends import IMPLEMENTATIONS
+
+    for backend, ops in IMPLEMENTATIONS.items():
+        for name, how in ops.items():
+            entry = report["ops"].setdefault(name, {"fast_paths_enabled": op_enabled(name)})
+            entry.setdefault("implementations", {})[backend] = how
     for name, backends in _backend.calls().items():
         entry = report["ops"].setdefault(name, {"fast_paths_enabled": op_enabled(name)})
         for backend, devices in backends.items():
@@ -97,6 +104,8 @@ def format_paths():
             for stat in cpu["stats"]:
                 if stat["calls"]:
                     lines.append(f"    {stat['impl']}: {stat['calls']} calls")
+        for backend, how in sorted(op.get("implementations", {}).items()):
+            lines.append(f"  {backend}: {how}")
         for backend, devices in sorted(op.get("calls", {}).items()):
             shown = ", ".join(f"{d} {n}" for d, n in sorted(devices.items()))
             lines.append(f"  routed to {backend}: {shown}")

@@ -42,7 +42,8 @@ def _choose(op, tensors, names, backend):
                 raise Error(f"{op}: backend='torch' needs torch tensors (argument '{name}' is "
                             f"{type(t).__name__})")
         device_type = next(t.device.type for t in tensors if t is not None)
-    _backend.record(op, chosen, device_type)
+    # Recorded under the op vocabulary's name (moe.permute, ...).
+    _backend.record("moe." + op.removeprefix("moe_"), chosen, device_type)
     return chosen
 
 
@@ -171,7 +172,7 @@ def moe_route(logits, topk, score_function="softmax", pre_softmax=False, normali
         device = logits.device if is_torch(logits) else "cpu"
         raise Error(f"moe_route: argument 'logits' must be a CPU tensor: routing has no torch-op "
                     f"backend (got logits on {device}, backend={backend!r})")
-    _backend.record("moe_route", "cpu", "cpu")
+    _backend.record("moe.route", "cpu", "cpu")
     num_tokens, num_experts = (int(s) for s in logits.shape)
     routing_map = empty((num_tokens, num_experts), "bool", logits)
     probs = empty((num_tokens, num_experts), "float32", logits)

@@ -439,7 +439,7 @@ def test_calls_are_recorded_per_backend_and_device(torch_gen):
     tokens = torch.randn(8, 3, generator=torch_gen)
 
     def count(backend, device):
-        return leanstep._backend.calls().get("moe_permute", {}).get(backend, {}).get(device, 0)
+        return leanstep._backend.calls().get("moe.permute", {}).get(backend, {}).get(device, 0)
 
     before = (count("cpu", "cpu"), count("torch", "cpu"), count("torch", "meta"))
     leanstep.moe_permute(tokens, routing_map, probs)

@@ -64,3 +64,16 @@ def test_megatron_families_are_the_preset():
     assert lm.active() == ["moe"]  # a family with any enabled op
     leanstep.set_preset("baseline")
     assert lm.active() == []
+
+
+def test_every_op_lists_its_implementations_per_backend():
+    ops = leanstep.paths()["ops"]
+    for name in ("grad.norm", "grad.clip", "rmsnorm.forward", "moe.permute", "moe.unpermute"):
+        assert "torch" in ops[name]["implementations"], name
+    # The C++ registry's CPU implementations sit beside them.
+    assert {i["name"] for i in ops["grad.norm"]["cpu"]["implementations"]} == {"fused"}
+    assert ops["grad.norm"]["cpu"]["reference"] == "reference"
+    leanstep.reset_paths()
+    leanstep.moe_permute(torch.zeros(4, 3), torch.eye(4, 2, dtype=torch.bool), None, 2,
+                         backend="torch")
+    assert leanstep.paths()["ops"]["moe.permute"]["calls"] == {"torch": {"cpu": 1}}

@@ -521,6 +521,17 @@ def analyse(args, seconds):
     return out
 
 
+def group_names(names):
+    """[(name with layer and expert indices as *, shape, count)] in first-seen order."""
+    import re
+
+    groups = {}
+    for name, shape in names:
+        key = (re.sub(r"\.(\d+)\.", ".*.", re.sub(r"\.(\d+)\.", ".*.", name)), str(shape))
+        groups[key] = groups.get(key, 0) + 1
+    return [(pattern, shape, n) for (pattern, shape), n in groups.items()]
+
+
 def format_results(r):
     lines = [f"== leanstep.megatron.train: megatron-core {r['megatron_core_version']} "
              f"(Python {r['python']}), {r['settings']['nproc']} gloo ranks, "
@@ -557,8 +568,9 @@ def format_results(r):
                      f"{ag['loss']['all_finite'] and ag['grad_norm']['all_finite']}")
             lines.append(f"  base weights unchanged (checksum): {e['base_unchanged']}")
         for rank, t in e["trainable"].items():
-            lines.append(f"  rank {rank}: {t['params']} trainable params in {t['tensors']} tensors "
-                         f"(first: {t['names'][0][0]} {t['names'][0][1]})")
+            lines.append(f"  rank {rank}: {t['params']} trainable params in {t['tensors']} tensors:")
+            for pattern, shape, count in group_names(t["names"]):
+                lines.append(f"    {pattern} {shape} x{count}")
         for rank, h in e["first_microbatch_hashes"].items():
             lines.append(f"  rank {rank} first microbatch hashes: {' '.join(h)}")
     lines.append("(agreement over these steps does not prove long-term convergence equivalence)")
