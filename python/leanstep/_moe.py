@@ -3,8 +3,10 @@
 Permuted order is expert-major and, within one expert, increasing token index
 (Megatron-Core's masked_select / stable-argsort order). ``sorted_indices[i]``
 is the source token of permuted row i (-1: a padding row with no source).
-``method="fused"`` is the parallel counting-sort path; ``method="sort"`` the
-reference (stable sort of fp32 keys); both give bit-identical results.
+``method=None`` (default) lets the dispatch registry choose (the preset:
+"fused" normally, the "sort" reference under "baseline"); ``method="fused"``
+forces the parallel counting-sort path and ``method="sort"`` the reference
+(stable sort of fp32 keys); all give bit-identical results.
 
 ``backend``: None chooses from the tensors' device (CPU tensors and NumPy
 arrays: the C++ kernels; any other torch device: the torch-op backend in
@@ -47,6 +49,12 @@ def _choose(op, tensors, names, backend):
     return chosen
 
 
+def _cpu_method(method):
+    """None: the dispatch registry chooses (preset, guards, counted in
+    leanstep.paths()); "sort" / "fused" force one (tests, benchmarks)."""
+    return "auto" if method is None else method
+
+
 def _torch_moe():
     from .backends import torch_moe
 
@@ -55,8 +63,9 @@ def _torch_moe():
 
 def _check_method(method, where):
     """The device backend has one unpermute; the method is still checked."""
-    if method not in ("sort", "fused"):
-        raise Error(f'{where}: argument \'method\' must be "sort" or "fused" (got {method!r})')
+    if method not in (None, "sort", "fused"):
+        raise Error(f'{where}: argument \'method\' must be None, "sort" or "fused" '
+                    f'(got {method!r})')
 
 
 def _into(out, value, op):
@@ -73,7 +82,7 @@ def _into(out, value, op):
 
 
 def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=False,
-                method="fused", *, backend=None):
+                method=None, *, backend=None):
     """Returns ``(permuted, permuted_probs, sorted_indices)``. permuted is
     ``[N, H]`` in tokens' dtype, permuted_probs ``[N]`` in probs' dtype (None
     without probs), sorted_indices int64 ``[N]``. N is the routed count, or
@@ -83,20 +92,20 @@ def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_p
     if _choose("moe_permute", [tokens, routing_map, probs], ["tokens", "routing_map", "probs"],
                backend) == "torch":
         return _torch_moe().permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad,
-                                    method)
+                                    (method or "fused"))
     if num_out_tokens is not None:
         num_out_tokens = int(num_out_tokens)
     rows = _leanstep.moe_permute_output_rows(routing_map, num_out_tokens, drop_and_pad)
     permuted = empty((rows,) + tuple(tokens.shape[1:]), dtype_name(tokens), tokens)
     permuted_probs = None if probs is None else empty((rows,), dtype_name(probs), tokens)
     sorted_indices = empty((rows,), "int64", tokens)
-    _leanstep.moe_permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad, method,
-                          permuted, permuted_probs, sorted_indices)
+    _leanstep.moe_permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad,
+                          _cpu_method(method), permuted, permuted_probs, sorted_indices)
     return permuted, permuted_probs, sorted_indices
 
 
 def moe_unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_map=None,
-                  drop_and_pad=False, method="fused", *, out=None, backend=None):
+                  drop_and_pad=False, method=None, *, out=None, backend=None):
     """``out[t] = sum over slots i with sorted_indices[i] == t of permuted[i] * prob_i``,
     accumulated in fp32 in increasing i and cast once to permuted's dtype.
     probs is ``[N]`` (permuted probs) or ``[T, E]`` together with routing_map
@@ -109,11 +118,12 @@ def moe_unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_m
         return _into(out, _torch_moe().unpermute(permuted, sorted_indices, restore_shape, probs,
                                                  routing_map, drop_and_pad), "moe_unpermute")
     out = result(tuple(restore_shape), dtype_name(permuted), permuted, out, "moe_unpermute", "out")
-    _leanstep.moe_unpermute(permuted, sorted_indices, out, probs, routing_map, drop_and_pad, method)
+    _leanstep.moe_unpermute(permuted, sorted_indices, out, probs, routing_map, drop_and_pad,
+                            _cpu_method(method))
     return out
 
 
-def moe_permute_backward(dpermuted, sorted_indices, num_tokens, method="fused", *, backend=None):
+def moe_permute_backward(dpermuted, sorted_indices, num_tokens, method=None, *, backend=None):
     """Gradient of permute w.r.t. tokens: ``[num_tokens, H]`` in dpermuted's dtype."""
     dpermuted, sorted_indices = view(dpermuted), view(sorted_indices)
     if _choose("moe_permute_backward", [dpermuted, sorted_indices],
@@ -121,7 +131,7 @@ def moe_permute_backward(dpermuted, sorted_indices, num_tokens, method="fused", 
         _check_method(method, "permute_backward")
         return _torch_moe().permute_backward(dpermuted, sorted_indices, num_tokens)
     dtokens = empty((num_tokens, dpermuted.shape[-1]), dtype_name(dpermuted), dpermuted)
-    _leanstep.moe_permute_backward(dpermuted, sorted_indices, dtokens, method)
+    _leanstep.moe_permute_backward(dpermuted, sorted_indices, dtokens, _cpu_method(method))
     return dtokens
 
 
@@ -142,7 +152,7 @@ def moe_permute_probs_backward(dpermuted_probs, sorted_indices, routing_map, dro
 
 
 def moe_unpermute_backward(dout, permuted, sorted_indices, probs=None, routing_map=None,
-                           drop_and_pad=False, method="fused", *, backend=None):
+                           drop_and_pad=False, method=None, *, backend=None):
     """Returns ``(dpermuted, dprobs)``; dprobs is None without probs and shaped
     like probs otherwise."""
     dout, permuted, sorted_indices = view(dout), view(permuted), view(sorted_indices)
@@ -155,7 +165,7 @@ def moe_unpermute_backward(dout, permuted, sorted_indices, probs=None, routing_m
     dpermuted = empty(tuple(permuted.shape), dtype_name(permuted), permuted)
     dprobs = None if probs is None else empty(tuple(probs.shape), dtype_name(probs), probs)
     _leanstep.moe_unpermute_backward(dout, permuted, sorted_indices, probs, routing_map,
-                                     drop_and_pad, method, dpermuted, dprobs)
+                                     drop_and_pad, _cpu_method(method), dpermuted, dprobs)
     return dpermuted, dprobs
 
 

@@ -336,7 +336,7 @@ class _PermuteFunction(torch.autograd.Function):
 
 
 def permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=False,
-            method="fused", *, backend=None):
+            method=None, *, backend=None):
     """Autograd-aware :func:`leanstep.moe_permute`: gradients flow to tokens
     and probs. Returns ``(permuted, permuted_probs, sorted_indices)``.
     ``backend`` as for :func:`leanstep.moe_permute` (the backward uses the same)."""
@@ -368,7 +368,7 @@ class _UnpermuteFunction(torch.autograd.Function):
 
 
 def unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_map=None,
-              drop_and_pad=False, method="fused", *, backend=None):
+              drop_and_pad=False, method=None, *, backend=None):
     """Autograd-aware :func:`leanstep.moe_unpermute`: gradients flow to the
     permuted tokens and to probs. ``backend`` as for :func:`leanstep.moe_unpermute`."""
     return _UnpermuteFunction.apply(permuted, sorted_indices, tuple(restore_shape), probs,

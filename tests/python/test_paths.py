@@ -77,3 +77,16 @@ def test_every_op_lists_its_implementations_per_backend():
     leanstep.moe_permute(torch.zeros(4, 3), torch.eye(4, 2, dtype=torch.bool), None, 2,
                          backend="torch")
     assert leanstep.paths()["ops"]["moe.permute"]["calls"] == {"torch": {"cpu": 1}}
+
+
+def test_moe_calls_go_through_the_registry_unless_a_method_is_forced(torch_gen):
+    routing_map = torch.rand(16, 4, generator=torch_gen) < 0.5
+    tokens = torch.randn(16, 8, generator=torch_gen)
+    leanstep.reset_paths()
+    fast = leanstep.moe_permute(tokens, routing_map)
+    leanstep.set_preset("baseline")
+    reference = leanstep.moe_permute(tokens, routing_map)
+    forced = leanstep.moe_permute(tokens, routing_map, method="fused")  # bypasses the registry
+    assert impl_calls("moe.permute") == {"fused": 1, "reference": 1}
+    for a, b, c in zip(fast, reference, forced):
+        assert torch.equal(a, b) and torch.equal(a, c)
