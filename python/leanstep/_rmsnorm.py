@@ -13,10 +13,11 @@ __all__ = ["rms_norm", "rms_norm_backward"]
 
 
 def rms_norm(x, weight, eps, zero_centered_gamma=False, rounding="scale_then_cast", *,
-             out=None, rstd_out=None, impl="fused", backend=None):
+             out=None, rstd_out=None, impl=None, backend=None):
     """Returns ``(y, rstd)``: y of x's shape and dtype, rstd fp32 of shape
     ``x.shape[:-1]``. ``out=`` may be x itself for an in-place norm.
-    ``impl="reference"`` runs the per-element oracle instead of the fused kernel.
+    ``impl=None`` lets the dispatch registry choose (the preset); ``"fused"``
+    or ``"reference"`` (the per-element oracle) force one.
     Tensors on a device other than the CPU (or ``backend="torch"``) run the
     torch-op backend (no host read)."""
     x, weight = view(x), view(weight)
@@ -36,12 +37,17 @@ def rms_norm(x, weight, eps, zero_centered_gamma=False, rounding="scale_then_cas
     y = result(x.shape, dtype_name(x), x, out, "rms_norm", "out")
     rstd = result(x.shape[:-1], "float32", x, rstd_out, "rms_norm", "rstd_out")
     _backend.record("rmsnorm.forward", "cpu", "cpu")
-    _leanstep.rmsnorm_forward(x, weight, y, rstd, float(eps), zero_centered_gamma, rounding, impl)
+    if impl is None:  # the dispatch registry chooses (preset, guards, counts)
+        _leanstep.rmsnorm_forward_routed(x, weight, y, rstd, float(eps), zero_centered_gamma,
+                                         rounding, weight_requires_grad=False)
+    else:
+        _leanstep.rmsnorm_forward(x, weight, y, rstd, float(eps), zero_centered_gamma, rounding,
+                                  impl)
     return y, rstd
 
 
 def rms_norm_backward(dy, x, rstd, weight, zero_centered_gamma=False, weight_requires_grad=True,
-                      *, dx_out=None, dweight_out=None, impl="fused", backend=None):
+                      *, dx_out=None, dweight_out=None, impl=None, backend=None):
     """Returns ``(dx, dweight)``: dx in x's dtype; dweight in the weight's dtype,
     or None when the weight is frozen (``weight_requires_grad=False``), in which
     case no cross-row reduction runs at all."""
@@ -68,5 +74,11 @@ def rms_norm_backward(dy, x, rstd, weight, zero_centered_gamma=False, weight_req
         dweight = result(weight.shape, dtype_name(weight), weight, dweight_out,
                          "rms_norm_backward", "dweight_out")
     # eps only enters through rstd, which the forward saved.
-    _leanstep.rmsnorm_backward(dy, x, rstd, weight, dx, dweight, 0.0, zero_centered_gamma, impl)
+    if impl is None:  # the dispatch registry chooses (the frozen path when dweight is None)
+        _leanstep.rmsnorm_backward_routed(dy, x, rstd, weight, dx, dweight, 0.0,
+                                          zero_centered_gamma,
+                                          weight_requires_grad=bool(weight_requires_grad))
+    else:
+        _leanstep.rmsnorm_backward(dy, x, rstd, weight, dx, dweight, 0.0, zero_centered_gamma,
+                                   impl)
     return dx, dweight
