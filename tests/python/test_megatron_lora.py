@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from leanstep._lora import lora_plan  # noqa: E402
+import leanstep  # noqa: E402
 import leanstep.megatron.lora as ml  # noqa: E402
 from leanstep.megatron.cpu import megatron_on_cpu  # noqa: E402
 
@@ -399,7 +400,8 @@ def test_expert_parallel_two_ranks(tmp_path):
     config_path = write_hf_config(tmp_path / "config.json")
     port = _free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
-               PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "..", "python"),
+               # The leanstep this test imported (installed, or the source tree in development).
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(leanstep.__file__)),
                                            os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR")
     procs = [subprocess.Popen([sys.executable, __file__, str(tmp_path), str(config_path)],
