@@ -183,7 +183,7 @@ nlohmann::json read_json(const std::string& path) {
   if (!in) throw Error(fmt::format("lora diff: cannot open {}", path));
   try {
     return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for numbers such as 1e400
     throw Error(fmt::format("lora diff: {} is not valid JSON ({})", path, e.what()));
   }
 }
@@ -218,13 +218,17 @@ void add_lora_commands(Context& ctx) {
   auto plan_args = std::make_shared<PlanArgs>();
   auto* plan = lora_cmd->add_subcommand("plan", "Adapted modules, tensors, parameters, memory and layout per rank");
   plan->add_option("--config", plan_args->config, "Hugging Face config.json")->required()->check(CLI::ExistingFile);
-  plan->add_option("--tp", plan_args->tp, "tensor parallel size")->capture_default_str();
-  plan->add_option("--pp", plan_args->pp, "pipeline parallel size")->capture_default_str();
-  plan->add_option("--ep", plan_args->ep, "expert parallel size")->capture_default_str();
+  plan->add_option("--tp", plan_args->tp, "tensor parallel size")->capture_default_str()->check(integer_in(1, 65536));
+  plan->add_option("--pp", plan_args->pp, "pipeline parallel size")->capture_default_str()->check(integer_in(1, 65536));
+  plan->add_option("--ep", plan_args->ep, "expert parallel size")->capture_default_str()->check(integer_in(1, 65536));
   plan->add_option("--etp", plan_args->etp, "expert tensor parallel size (only 1 is supported)")->capture_default_str();
-  plan->add_option("--pp-first", plan_args->pp_first, "decoder layers on the first pipeline stage (default: even split)");
-  plan->add_option("--pp-last", plan_args->pp_last, "decoder layers on the last pipeline stage (default: even split)");
-  plan->add_option("--rank,--lora-rank", plan_args->rank, "LoRA rank r")->capture_default_str();
+  plan->add_option("--pp-first", plan_args->pp_first, "decoder layers on the first pipeline stage, >= 0 (default: even split)")
+      ->check(integer_in(0, 16384));
+  plan->add_option("--pp-last", plan_args->pp_last, "decoder layers on the last pipeline stage, >= 0 (default: even split)")
+      ->check(integer_in(0, 16384));
+  plan->add_option("--rank,--lora-rank", plan_args->rank, "LoRA rank r")
+      ->capture_default_str()
+      ->check(integer_in(1, int64_t{1} << 20, "2^20"));
   auto* targets = plan->add_option("--targets", plan_args->targets,
                                    "module-name suffixes, comma separated; may include all-linear, all-router")
                       ->delimiter(',');
@@ -247,7 +251,9 @@ void add_lora_commands(Context& ctx) {
       ->required()
       ->check(CLI::ExistingFile);
   diff->add_option("B", diff_args->b, "the other plan or dump")->required()->check(CLI::ExistingFile);
-  diff->add_option("--max-lines", diff_args->max_lines, "differences printed per rank")->capture_default_str();
+  diff->add_option("--max-lines", diff_args->max_lines, "differences printed per rank")
+      ->capture_default_str()
+      ->check(integer_in(0, int64_t{1} << 40, "2^40"));
   diff->callback([diff_args] { run_diff(*diff_args); });
 }
 

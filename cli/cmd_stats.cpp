@@ -1,6 +1,7 @@
 // `leanstep steps summarize|compare` and `leanstep crossover plan|analyze`.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 
@@ -52,10 +53,31 @@ void warn_missing(const std::vector<st::RunSummary>& summaries) {
   for (const auto& r : summaries) {
     if (!r.missing_steps.empty())
       std::fprintf(stderr, "leanstep: warning: run '%s': %zu step(s) logged by no rank\n", r.run.c_str(),
-                   r.missing_steps.size());
+                   static_cast<size_t>(r.missing_step_count));
     if (!r.incomplete.empty())
       std::fprintf(stderr, "leanstep: warning: run '%s': %zu step(s) with missing ranks excluded\n", r.run.c_str(),
                    r.incomplete.size());
+  }
+}
+
+// The positions a series spans (last logged step - first + 1).
+int64_t span_of(const st::StepSeries& s) { return s.steps.empty() ? 0 : s.steps.back() - s.first_step + 1; }
+
+// A warm-up that leaves no step is an error, not an empty table with exit 0.
+void check_steps_left(const char* cmd, const std::vector<st::RunSummary>& summaries, int64_t warmup,
+                      const std::vector<const st::StepSeries*>& series, bool every_run) {
+  for (size_t i = 0; i < summaries.size(); ++i) {
+    const bool empty = summaries[i].steps_used == 0;
+    if (empty && (every_run || std::all_of(summaries.begin(), summaries.end(), [](auto& r) { return r.steps_used == 0; }))) {
+      const int64_t span = span_of(*series[i]);
+      if (warmup >= span)
+        throw_arg_error(cmd, "--warmup",
+                        fmt::format("must be less than the {} step position(s) of run '{}' so that steps are left "
+                                    "(got {})",
+                                    span, summaries[i].run, warmup));
+      throw Error(fmt::format("{}: run '{}' has no complete step after the warm-up of {} (every step misses a rank)",
+                              cmd, summaries[i].run, warmup));
+    }
   }
 }
 
@@ -64,6 +86,9 @@ void run_summarize(const StepsOptions& o) {
   const auto series = st::build_series(records);
   std::vector<st::RunSummary> summaries;
   for (const auto& s : series) summaries.push_back(st::summarize_series(s, o.warmup, o.window));
+  std::vector<const st::StepSeries*> ptrs;
+  for (const auto& s : series) ptrs.push_back(&s);
+  check_steps_left("steps summarize", summaries, o.warmup, ptrs, false);
   if (!o.plot.empty()) st::plot_summary(o.plot, series, o.warmup);
   if (o.json) {
     warn_missing(summaries);
@@ -78,8 +103,9 @@ void run_compare(const StepsOptions& o) {
   const auto old_records = st::read_step_logs({o.old_log});
   const auto new_records = st::read_step_logs({o.new_log});
   const auto c = st::compare(old_records, new_records, o.warmup, o.window);
-  if (!o.plot.empty())
-    st::plot_comparison(o.plot, st::build_series(old_records).at(0), st::build_series(new_records).at(0), o.warmup);
+  const auto old_series = st::build_series(old_records), new_series = st::build_series(new_records);
+  check_steps_left("steps compare", {c.old_run, c.new_run}, o.warmup, {&old_series.at(0), &new_series.at(0)}, true);
+  if (!o.plot.empty()) st::plot_comparison(o.plot, old_series.at(0), new_series.at(0), o.warmup);
   if (o.json) {
     warn_missing({c.old_run, c.new_run});
     print_json_line(st::to_json(c));
@@ -125,6 +151,18 @@ void run_analyze(const AnalyzeOptions& o) {
     options.interactions.push_back({spec.substr(0, eq), {parts.substr(0, sep), parts.substr(sep + 1)}});
   }
   const auto result = st::analyze_crossover(st::read_step_logs(o.logs), options);
+  int64_t longest = 0;
+  for (const auto& s : result.series) longest = std::max(longest, span_of(s));
+  if (result.warmup >= longest)
+    throw_arg_error("crossover analyze", "--warmup",
+                    fmt::format("must be less than the longest run's {} step position(s) so that steps are left (got "
+                                "{}{})",
+                                longest, result.warmup, o.warmup >= 0 ? "" : ", the plan's"));
+  if (std::all_of(result.comparisons.begin(), result.comparisons.end(),
+                  [](const st::PairResult& p) { return p.matched_positions_with_transitions == 0; }))
+    throw Error(fmt::format("crossover analyze: no two conditions share a step position after the warm-up of {}: "
+                            "nothing to compare (runs must hold different conditions at the same positions)",
+                            result.warmup));
   if (!o.plot.empty()) st::plot_crossover(o.plot, result);
   if (o.json) {
     for (const auto& n : result.notes) std::fprintf(stderr, "leanstep: note: %s\n", n.c_str());
@@ -146,9 +184,9 @@ void add_stats_commands(Context& ctx) {
       "summarize", "Per run: step duration = max over ranks; after warm-up: count, mean, median, min, max, window means");
   summarize->add_option("logs", summarize_opts->logs, "Step logs (.jsonl / .csv files or directories)")->required();
   summarize->add_option("--warmup", summarize_opts->warmup, "Steps discarded at the start of each run")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(integer_in(0, st::kMaxStep, "2^62"));
   summarize->add_option("--window", summarize_opts->window, "Steps per window mean")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(integer_in(1, st::kMaxStep, "2^62"));
   summarize->add_flag("--json", summarize_opts->json, "One JSON object: {runs: [{run, steps_used, mean_s, median_s, windows, ...}]}");
   summarize->add_option("--plot", summarize_opts->plot, "Write an SVG plot of step duration against step index");
   summarize->callback([summarize_opts] { run_summarize(*summarize_opts); });
@@ -159,9 +197,9 @@ void add_stats_commands(Context& ctx) {
   compare->add_option("old", compare_opts->old_log, "Step log(s) of the old run (file or directory)")->required();
   compare->add_option("new", compare_opts->new_log, "Step log(s) of the new run (file or directory)")->required();
   compare->add_option("--warmup", compare_opts->warmup, "Steps discarded at the start of each run")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(integer_in(0, st::kMaxStep, "2^62"));
   compare->add_option("--window", compare_opts->window, "Steps per window mean")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(integer_in(1, st::kMaxStep, "2^62"));
   compare->add_flag("--json", compare_opts->json, "One JSON object with old, new, mean_change, median_change, ...");
   compare->add_option("--plot", compare_opts->plot, "Write an SVG plot of both runs");
   compare->callback([compare_opts] { run_compare(*compare_opts); });
@@ -174,14 +212,20 @@ void add_stats_commands(Context& ctx) {
       "plan", "A schedule: every run holds every condition once as a block, balanced over block positions and allocations");
   plan->add_option("--conditions", plan_opts->conditions, "Conditions, baseline first (e.g. baseline,A,B,A+B)")
       ->required()->delimiter(',');
-  plan->add_option("--runs", plan_opts->runs, "Number of runs (a multiple of conditions x allocations)")->required();
-  plan->add_option("--block-steps", plan_opts->block_steps, "Steps per block")->required();
+  plan->add_option("--runs", plan_opts->runs, "Number of runs (a multiple of conditions x allocations)")
+      ->required()
+      ->check(integer_in(1, st::kMaxPlanRuns));
+  plan->add_option("--block-steps", plan_opts->block_steps, "Steps per block")
+      ->required()
+      ->check(integer_in(1, st::kMaxPlanSteps, "2^40"));
   plan->add_option("--warmup", plan_opts->warmup, "Warm-up steps before the first block (run its condition)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(integer_in(0, st::kMaxPlanSteps, "2^40"));
   plan->add_option("--allocations", plan_opts->allocations, "Device allocations the runs are spread over")->delimiter(',');
   plan->add_option("--exclude-after-transition", plan_opts->exclude_after_transition,
                    "Steps after each block transition the analysis excludes")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(integer_in(0, st::kMaxPlanSteps, "2^40"));
   plan->add_option("--out", plan_opts->out, "Also write the plan as JSON to this file");
   plan->add_flag("--json", plan_opts->json, "Print the plan as one JSON object");
   plan->callback([plan_opts] { run_plan(*plan_opts); });
@@ -192,19 +236,22 @@ void add_stats_commands(Context& ctx) {
   analyze->add_option("logs", analyze_opts->logs, "Step logs of all runs (.jsonl / .csv files or directories)")->required();
   analyze->add_option("--plan", analyze_opts->plan, "The plan JSON (checks the logs, supplies unlogged conditions)");
   analyze->add_option("--warmup", analyze_opts->warmup, "Warm-up steps discarded per run (default: the plan's, else 0)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(integer_in(0, st::kMaxStep, "2^62"));
   analyze->add_option("--exclude-after-transition", analyze_opts->exclude_after_transition,
                       "Steps excluded after each block transition (default: the plan's, else 2)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(integer_in(0, st::kMaxStep, "2^62"));
   analyze->add_option("--baseline", analyze_opts->baseline, "Baseline condition (default: the plan's first, else the first logged)");
   analyze->add_option("--interaction", analyze_opts->interactions,
                       "Combined condition and its parts, COMBINED=FIRST+SECOND (repeatable; names 'A+B' are found automatically)");
-  analyze->add_option("--bootstrap-resamples", analyze_opts->resamples, "Bootstrap resamples")->capture_default_str();
+  analyze->add_option("--bootstrap-resamples", analyze_opts->resamples, "Bootstrap resamples")
+      ->capture_default_str()
+      ->check(integer_in(100, 10000000));
   analyze->add_option("--seed", analyze_opts->seed, "Bootstrap seed (fixed: the same logs give the same interval)")
       ->capture_default_str();
   analyze->add_option("--bootstrap-block", analyze_opts->bootstrap_block,
                       "Resample moving blocks of this many consecutive matched positions (1: plain bootstrap)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(integer_in(1, st::kMaxStep, "2^62"));
   analyze->add_flag("--json", analyze_opts->json, "One JSON object: {baseline, comparisons: [...], interactions, ...}");
   analyze->add_option("--plot", analyze_opts->plot, "Write an SVG plot: one panel per run, coloured by condition");
   analyze->callback([analyze_opts] { run_analyze(*analyze_opts); });

@@ -4,7 +4,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cerrno>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -30,11 +33,76 @@ struct TrainOptions {
   std::string log;
   std::string save;
   std::string resume;
+  bool overwrite = false;
   bool json = false;
   int64_t warmup = -1;  // default: the plan's, else min(20, steps / 5)
   int64_t window = 20;
   double timeout_s = 120.0;
+  // Which options were given (a value such as -1 is then an error, not "default").
+  CLI::Option* steps_opt = nullptr;
+  CLI::Option* warmup_opt = nullptr;
 };
+
+// Largest --steps / --warmup accepted (the step index must stay far from int64 overflow).
+constexpr int64_t kMaxSteps = int64_t{1} << 40;
+
+// Checks of the options alone, before MPI, the config or any step.
+void check_options(const TrainOptions& o) {
+  if (o.steps_opt->count() > 0 && (o.steps < 1 || o.steps > kMaxSteps))
+    throw_arg_error("train", "--steps", fmt::format("must be in [1, 2^40] (got {})", o.steps));
+  if (o.steps_opt->count() == 0 && o.crossover.empty())
+    throw_arg_error("train", "--steps", "is required without --crossover");
+  if (o.warmup_opt->count() > 0 && (o.warmup < 0 || o.warmup > kMaxSteps))
+    throw_arg_error("train", "--warmup", fmt::format("must be in [0, 2^40] (got {})", o.warmup));
+  if (o.window < 1 || o.window > kMaxSteps)
+    throw_arg_error("train", "--window", fmt::format("must be in [1, 2^40] (got {})", o.window));
+  if (!(std::isfinite(o.timeout_s) && o.timeout_s > 0))
+    throw_arg_error("train", "--timeout", fmt::format("must be a finite number of seconds > 0 (got {})", o.timeout_s));
+  if (!o.resume.empty()) {
+    const std::filesystem::path ck = std::filesystem::path(o.resume) / "adapters.safetensors";
+    if (!std::filesystem::is_directory(o.resume))
+      throw_arg_error("train", "--resume", fmt::format("must name a checkpoint directory (got '{}', {})", o.resume,
+                                                       std::filesystem::exists(o.resume) ? "not a directory"
+                                                                                         : "which does not exist"));
+    if (!std::filesystem::is_regular_file(ck))
+      throw_arg_error("train", "--resume",
+                      fmt::format("must name a directory holding adapters.safetensors (got '{}')", o.resume));
+  }
+  if (!o.save.empty()) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const fs::file_status st = fs::status(o.save, ec);
+    if (fs::exists(st) && !fs::is_directory(st))
+      throw_arg_error("train", "--save", fmt::format("must name a directory (got '{}', which is not a directory)", o.save));
+    if (fs::is_directory(st) && fs::exists(fs::path(o.save) / "adapters.safetensors") && !o.overwrite)
+      throw_arg_error("train", "--save",
+                      fmt::format("names a directory that already holds a checkpoint (got '{}'; pass --overwrite to "
+                                  "replace it)",
+                                  o.save));
+    // An existing ancestor that is a file makes the directory impossible.
+    for (fs::path p = fs::path(o.save).parent_path(); !p.empty(); p = p.parent_path()) {
+      if (fs::exists(p, ec) && !fs::is_directory(p, ec))
+        throw_arg_error("train", "--save",
+                        fmt::format("cannot be created: '{}' is not a directory (got '{}')", p.string(), o.save));
+      if (p == p.parent_path()) break;
+    }
+  }
+}
+
+// Creates the --save directory and proves it writable (rank 0), before any step.
+// Returns "" or the reason it is not usable.
+std::string prepare_save_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return fmt::format("cannot be created (got '{}': {})", dir, ec.message());
+  const fs::path probe = fs::path(dir) / fmt::format(".leanstep-write-test.{}", ::getpid());
+  std::FILE* f = std::fopen(probe.c_str(), "wb");
+  if (!f) return fmt::format("must name a writable directory (got '{}': {})", dir, std::strerror(errno));
+  std::fclose(f);
+  fs::remove(probe, ec);
+  return "";
+}
 
 // Launched by mpirun / srun with more than one process?
 bool launched_under_mpi() {
@@ -57,26 +125,43 @@ struct Logged {
 };
 
 void run_train(const TrainOptions& o) {
+  check_options(o);
   const train::Config cfg = train::load_config(o.config);
+
+  std::optional<stats::CrossoverPlan> plan;
+  if (!o.crossover.empty()) {
+    plan = stats::read_plan(o.crossover);
+    if (o.steps_opt->count() > 0 && o.steps != plan->steps_per_run())
+      throw_arg_error("train", "--steps",
+                      fmt::format("must equal the plan's steps per run ({}) or be omitted (got {})",
+                                  plan->steps_per_run(), o.steps));
+    if (plan->steps_per_run() > kMaxSteps)
+      throw_arg_error("train", "--crossover", fmt::format("plan must have at most 2^40 steps per run (got {})",
+                                                          plan->steps_per_run()));
+  }
+  const int64_t steps_per_run = plan ? plan->steps_per_run() : o.steps;
+  const int num_runs = plan ? static_cast<int>(plan->runs.size()) : 1;
+  const int64_t warmup = o.warmup_opt->count() > 0 ? o.warmup : plan ? plan->warmup : std::min<int64_t>(20, steps_per_run / 5);
+  // The summary needs at least one step after the warm-up: say so now, not after training.
+  if (warmup >= steps_per_run)
+    throw_arg_error("train", "--warmup",
+                    fmt::format("must be less than the steps per run ({}) so that the summary has steps (got {})",
+                                steps_per_run, warmup));
+
   std::unique_ptr<comm::Communicator> world_comm;
   if (launched_under_mpi()) world_comm = comm::mpi_world(o.timeout_s);
   comm::Communicator* comm = world_comm.get();
   const int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
   const bool lead = rank == 0;
 
-  std::optional<stats::CrossoverPlan> plan;
-  if (!o.crossover.empty()) {
-    plan = stats::read_plan(o.crossover);
-    if (o.steps >= 0 && o.steps != plan->steps_per_run())
-      throw_arg_error("train", "--steps",
-                      fmt::format("must equal the plan's steps per run ({}) or be omitted (got {})",
-                                  plan->steps_per_run(), o.steps));
-  } else if (o.steps < 0) {
-    throw_arg_error("train", "--steps", "is required without --crossover");
+  // The checkpoint directory is created and proven writable before any step.
+  if (!o.save.empty()) {
+    const std::string why = lead ? prepare_save_dir(o.save) : "";
+    float failed = why.empty() ? 0.0f : 1.0f;
+    if (comm) comm->allreduce(Tensor(&failed, DType::kFloat32, {1}), comm::ReduceOp::kMax);
+    if (failed != 0.0f)
+      throw_arg_error("train", "--save", why.empty() ? fmt::format("is not usable on rank 0 (got '{}')", o.save) : why);
   }
-  const int64_t steps_per_run = plan ? plan->steps_per_run() : o.steps;
-  const int num_runs = plan ? static_cast<int>(plan->runs.size()) : 1;
-  const int64_t warmup = o.warmup >= 0 ? o.warmup : plan ? plan->warmup : std::min<int64_t>(20, steps_per_run / 5);
 
   train::TrainerOptions topt;
   topt.comm = comm;
@@ -223,9 +308,11 @@ void run_train(const TrainOptions& o) {
     print_json_line(stats::summaries_to_json(summaries));
   } else {
     std::printf("%s", stats::format_summary_table(summaries).c_str());
-    const auto& last = logged.back().step;
-    std::printf("final step %lld: loss %.4f, grad_norm %.4f (first step loss %.4f)\n", static_cast<long long>(last.step),
-                last.loss, last.grad_norm, logged.front().step.loss);
+    if (!logged.empty()) {
+      const auto& last = logged.back().step;
+      std::printf("final step %lld: loss %.4f, grad_norm %.4f (first step loss %.4f)\n",
+                  static_cast<long long>(last.step), last.loss, last.grad_norm, logged.front().step.loss);
+    }
   }
 }
 
@@ -240,7 +327,7 @@ void add_train_commands(Context& ctx) {
   cmd->add_option("--config", o->config, "Model + LoRA + training config (e.g. examples/tiny-moe/tiny.json)")
       ->required()
       ->check(CLI::ExistingFile);
-  cmd->add_option("--steps", o->steps, "Optimizer steps (per run with --crossover: must match the plan)");
+  o->steps_opt = cmd->add_option("--steps", o->steps, "Optimizer steps, >= 1 (per run with --crossover: must match the plan)");
   cmd->add_option("--preset", o->preset,
                   "Dispatch preset: baseline, all, or op groups joined by ',' or '+' (e.g. rmsnorm+grad)")
       ->default_str("all");
@@ -248,9 +335,14 @@ void add_train_commands(Context& ctx) {
                   "Crossover plan (JSON from `leanstep crossover plan --json`): every run, each condition a block")
       ->check(CLI::ExistingFile);
   cmd->add_option("--log", o->log, "Step log (JSON Lines); with several ranks one file per rank: NAME.rankN.EXT");
-  cmd->add_option("--save", o->save, "Write a checkpoint (adapters + optimizer state, safetensors) to DIR at the end");
+  cmd->add_option("--save", o->save,
+                  "Write a checkpoint (adapters + optimizer state, safetensors) to DIR at the end (checked before "
+                  "the first step)");
+  cmd->add_flag("--overwrite", o->overwrite, "Replace a checkpoint that --save DIR already holds");
   cmd->add_option("--resume", o->resume, "Start from the checkpoint in DIR (every crossover run starts from it)");
-  cmd->add_option("--warmup", o->warmup, "Steps excluded from the summary (default: the plan's, else min(20, steps/5))");
+  o->warmup_opt = cmd->add_option("--warmup", o->warmup,
+                                  "Steps excluded from the summary, >= 0 and < steps (default: the plan's, else "
+                                  "min(20, steps/5))");
   cmd->add_option("--window", o->window, "Window of the summary's window means")->default_val(20);
   cmd->add_option("--timeout", o->timeout_s, "Seconds a collective may wait for the other ranks before failing")
       ->default_val(120.0);

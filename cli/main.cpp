@@ -22,7 +22,11 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // Usage errors exit 2 like every other error the user can fix; a RuntimeError
+    // carries its own code (lora diff: 1 = the plans differ); --help exits 0.
+    const int code = app.exit(e);
+    if (code == 0 || dynamic_cast<const CLI::RuntimeError*>(&e)) return code;
+    return 2;
   } catch (const leanstep::Error& e) {
     std::fprintf(stderr, "leanstep: error: %s\n", e.what());
     return 2;

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <iostream>
 
 namespace leanstep::cli {
@@ -60,6 +61,24 @@ void print_bench_table(const std::vector<BenchRow>& rows, double copy_gbps, cons
                    format_fixed(100.0 * gbps / copy_gbps, 0) + "%", format_fixed(r.median_ms / floor_ms, 2), speedup});
   }
   table.print();
+}
+
+CLI::Validator integer_in(int64_t min, int64_t max, const std::string& max_text) {
+  const std::string upper = max_text.empty() ? std::to_string(max) : max_text;
+  return CLI::Validator(
+      [min, max, upper](std::string& text) -> std::string {
+        int64_t v = 0;
+        const char* b = text.data();
+        const char* e = b + text.size();
+        if (b != e && *b == '+') ++b;
+        const auto [p, ec] = std::from_chars(b, e, v);
+        if (ec == std::errc::result_out_of_range || (ec == std::errc() && p == e && (v < min || v > max)))
+          return v < min && ec == std::errc() ? fmt::format("must be >= {} (got {})", min, text)
+                                              : fmt::format("must be in [{}, {}] (got {})", min, upper, text);
+        if (ec != std::errc() || p != e) return fmt::format("must be a whole number (got '{}')", text);
+        return std::string();
+      },
+      fmt::format("INT in [{}, {}]", min, upper));
 }
 
 std::string format_ms(double ms) { return ms < 1 ? fmt::format("{:.4f}", ms) : fmt::format("{:.3f}", ms); }

@@ -2,6 +2,8 @@
 // JSON lines for machines, and a progress line on long runs.
 #pragma once
 
+#include <CLI/CLI.hpp>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -53,6 +55,9 @@ const BenchRow* find_bench_row(const std::vector<BenchRow>& rows, const std::str
 // bandwidth), with the "fused" rows' speedup over the `baseline_variant` row of the same
 // case and op.
 void print_bench_table(const std::vector<BenchRow>& rows, double copy_gbps, const std::string& baseline_variant);
+
+// An option check for whole numbers in [min, max]: "--pp-first: must be >= 0 (got -5)".
+CLI::Validator integer_in(int64_t min, int64_t max, const std::string& max_text = "");
 
 std::string format_ms(double ms);
 std::string format_fixed(double value, int decimals);

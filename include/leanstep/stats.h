@@ -70,6 +70,12 @@ class StepLogWriter {
   std::FILE* file_ = nullptr;
 };
 
+// Limits of step logs: step indices in [0, 2^62], ranks and blocks in [0, 2^31 - 1].
+inline constexpr int64_t kMaxStep = int64_t{1} << 62;
+// Missing steps are counted in full but listed only up to this many (a log with steps
+// 0 and 10^9 must not list 10^9 numbers).
+inline constexpr size_t kMaxListedSteps = 1000;
+
 // ---------------------------------------------------------------- per-run series
 
 // One run's per-step view: the step duration is the MAXIMUM over ranks.
@@ -88,7 +94,8 @@ struct StepSeries {
   std::vector<std::optional<double>> grad_norm;  // mean over the ranks that logged it
   std::string allocation;
   // What is missing, reported and never filled:
-  std::vector<int64_t> missing_steps;   // gaps in [first, last] logged by no rank
+  std::vector<int64_t> missing_steps;   // gaps in [first, last] logged by no rank (the first kMaxListedSteps)
+  int64_t missing_step_count = 0;       // all of them
   std::vector<std::pair<int64_t, std::vector<int>>> incomplete;  // step -> missing ranks
 };
 
@@ -109,7 +116,8 @@ struct RunSummary {
   std::vector<double> windows;    // means of consecutive full windows of used steps
   int64_t loss_values = 0, grad_norm_values = 0;  // logged values (all ranks, all steps)
   bool loss_finite = true, grad_norm_finite = true;
-  std::vector<int64_t> missing_steps;
+  std::vector<int64_t> missing_steps;  // the first kMaxListedSteps
+  int64_t missing_step_count = 0;
   std::vector<std::pair<int64_t, std::vector<int>>> incomplete;
   std::vector<std::pair<int, int64_t>> slowest_rank_counts;  // rank -> used steps it was slowest
 };
@@ -145,6 +153,11 @@ nlohmann::json to_json(const Comparison& comparison);
 
 // ---------------------------------------------------------------- crossover plan
 
+// Limits of a plan (plan_crossover and plan_from_json refuse more).
+inline constexpr int kMaxPlanConditions = 64;
+inline constexpr int kMaxPlanRuns = 10000;
+inline constexpr int64_t kMaxPlanSteps = int64_t{1} << 40;  // block_steps, warmup
+
 struct PlannedRun {
   std::string name;                 // "run0", "run1", ...
   std::string allocation;
@@ -167,9 +180,9 @@ struct CrossoverPlan {
   bool carryover_balanced = false;       // each condition follows each other equally often
   std::vector<PlannedRun> runs;
 
-  int64_t steps_per_run() const {
-    return warmup + block_steps * static_cast<int64_t>(conditions.size());
-  }
+  // warmup + block_steps x conditions; Error when it does not fit in int64 (plans from
+  // plan_crossover / plan_from_json hold at most 2^40 + 64 x 2^40).
+  int64_t steps_per_run() const;
   // Condition and block of step position `position` (0-based) of run `run_index`.
   PlannedStep at(int run_index, int64_t position) const;
   int run_index(const std::string& run_name) const;  // -1 when absent

@@ -2,15 +2,21 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "leanstep/checked.h"
 #include "leanstep/lora.h"
 
 namespace leanstep::lora {
 namespace {
 
 using nlohmann::json;
+
+constexpr int64_t kMaxLayers = 16384;
+constexpr int64_t kMaxExperts = 65536;
+constexpr int64_t kMaxSize = int64_t{1} << 24;
 
 // Reads keys of one JSON object; errors name the source, the full key path and the model_type.
 class KeyReader {
@@ -70,13 +76,29 @@ class KeyReader {
  private:
   int64_t checked_integer(const char* key, int64_t min_value) const {
     const json& v = obj_.at(key);
+    const int64_t max_value = max_config_value(key);
     // Accept 4096.0 as written by some exporters, but not 4096.5 or "4096".
+    const bool in_double_range = v.is_number_float() && std::fabs(v.get<double>()) < 0x1p62;
     bool integral = v.is_number_integer() ||
-                    (v.is_number_float() && v.get<double>() == static_cast<double>(static_cast<int64_t>(v.get<double>())));
+                    (in_double_range && v.get<double>() == std::floor(v.get<double>()));
+    if (v.is_number_float() && !in_double_range && std::isfinite(v.get<double>()))
+      fail(key, fmt::format("must be <= {} (got {})", max_value, v.dump()));
     if (!integral) fail(key, fmt::format("must be an integer (got {})", v.dump()));
+    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(max_value))
+      fail(key, fmt::format("must be <= {} (got {})", max_value, v.dump()));
     int64_t value = v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(v.get<double>());
     if (value < min_value) fail(key, fmt::format("must be >= {} (got {})", min_value, value));
+    if (value > max_value) fail(key, fmt::format("must be <= {} (got {})", max_value, value));
     return value;
+  }
+
+  // Limits of config values (docs/lora.md, "Limits"): layer counts 16384, expert
+  // counts 65536, every other size 2^24. Beyond them no real model exists, and the
+  // plan's memory grows with layers x experts.
+  static int64_t max_config_value(std::string_view key) {
+    if (key == "num_hidden_layers" || key == "depth" || key == "encoder_layers") return kMaxLayers;
+    if (key == "num_experts") return kMaxExperts;
+    return kMaxSize;
   }
 
   const json& obj_;
@@ -170,7 +192,7 @@ AudioTower read_audio(const KeyReader& r) {
   if (r.has("downsample_hidden_size") && r.has("num_mel_bins")) {
     int64_t mel = r.integer("num_mel_bins");
     for (int k = 0; k < 3; ++k) mel = (mel + 1) / 2;
-    a.conv_out_in = r.integer("downsample_hidden_size") * mel;
+    a.conv_out_in = checked_mul(r.integer("downsample_hidden_size"), mel, "lora config", "conv_out input size");
   }
   a.output_dim = r.integer_or("output_dim", 0, 1);
   return a;
@@ -236,7 +258,7 @@ ModelConfig load_model_config(const std::string& path) {
   json config;
   try {
     config = json::parse(in);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers such as 1e400
     throw Error(fmt::format("lora config {}: not valid JSON ({})", path, e.what()));
   }
   return parse_model_config(config, path);

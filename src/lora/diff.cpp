@@ -116,7 +116,7 @@ std::vector<RankLayout> load_rank_layouts(const std::string& path) {
   json doc;
   try {
     doc = json::parse(in);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers such as 1e400
     throw Error(fmt::format("lora layout {}: not valid JSON ({})", path, e.what()));
   }
   return read_rank_layouts(doc, path);

@@ -6,12 +6,19 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "leanstep/checked.h"
 #include "leanstep/lora.h"
 
 namespace leanstep::lora {
 namespace {
 
 constexpr const char* kWhere = "lora::plan";
+constexpr int64_t kMaxLoraRank = int64_t{1} << 20;
+constexpr int64_t kMaxParallel = 65536;
+constexpr int64_t kMaxRanks = int64_t{1} << 20;
+constexpr int64_t kMaxPlanLayers = 16384;
+constexpr int64_t kMaxPlanExperts = 65536;
+constexpr int64_t kMaxStageTensors = int64_t{1} << 22;  // layout entries of one stage
 
 Module make_module(std::string prefix, std::string local_name, ModulePart part, int64_t layer, int64_t in,
                    int64_t out, TensorSplit split) {
@@ -56,7 +63,7 @@ std::string name_pattern(const Module& m) {
 
 int64_t TensorSpec::numel() const {
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) n = checked_mul(n, d, "lora", fmt::format("numel of tensor '{}'", name));
   return n;
 }
 
@@ -74,6 +81,28 @@ Scope scope_from_name(std::string_view name) {
 }
 
 std::vector<Module> enumerate_modules(const ModelConfig& c) {
+  // A config built in code is held to the limits load_model_config enforces, so no
+  // size below can overflow (each is at most a few products of values <= 2^24).
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"hidden_size", c.hidden_size}, {"num_attention_heads", c.num_attention_heads},
+      {"num_key_value_heads", c.num_key_value_heads}, {"head_dim", c.head_dim},
+      {"intermediate_size", c.intermediate_size}, {"moe_intermediate_size", c.moe_intermediate_size},
+      {"shared_expert_intermediate_size", c.shared_expert_intermediate_size},
+      {"linear_num_key_heads", c.linear_num_key_heads}, {"linear_key_head_dim", c.linear_key_head_dim},
+      {"linear_num_value_heads", c.linear_num_value_heads}, {"linear_value_head_dim", c.linear_value_head_dim},
+      {"vision.depth", c.vision ? c.vision->depth : 0}, {"vision.hidden_size", c.vision ? c.vision->hidden_size : 0},
+      {"vision.intermediate_size", c.vision ? c.vision->intermediate_size : 0},
+      {"audio.layers", c.audio ? c.audio->layers : 0}, {"audio.d_model", c.audio ? c.audio->d_model : 0},
+      {"audio.ffn_dim", c.audio ? c.audio->ffn_dim : 0}, {"audio.conv_out_in", c.audio ? c.audio->conv_out_in : 0},
+      {"audio.output_dim", c.audio ? c.audio->output_dim : 0}};
+  for (const auto& [key, v] : sizes)
+    if (v < 0 || v > (int64_t{1} << 24))
+      throw_arg_error("lora::enumerate_modules", "config",
+                      fmt::format("key '{}' must be in [0, 2^24] (got {})", key, v));
+  if (c.num_layers < 0 || c.num_layers > kMaxPlanLayers || static_cast<int64_t>(c.layers.size()) != c.num_layers)
+    throw_arg_error("lora::enumerate_modules", "config",
+                    fmt::format("must have num_layers in [0, 16384] and one LayerSpec per layer (got {} and {})",
+                                c.num_layers, c.layers.size()));
   std::vector<Module> out;
   constexpr auto kRep = TensorSplit::kReplicated;
   // Towers sit on the first stage; registration order of the HF thinker: audio, then vision.
@@ -148,10 +177,22 @@ std::vector<Module> enumerate_modules(const ModelConfig& c) {
 
 Plan plan(const ModelConfig& config, const PlanOptions& options) {
   const Parallel& par = options.parallel;
-  LEANSTEP_CHECK_ARG(options.lora_rank >= 1, kWhere, "lora_rank", fmt::format("must be >= 1 (got {})", options.lora_rank));
-  LEANSTEP_CHECK_ARG(par.tp >= 1, kWhere, "tp", fmt::format("must be >= 1 (got {})", par.tp));
-  LEANSTEP_CHECK_ARG(par.pp >= 1, kWhere, "pp", fmt::format("must be >= 1 (got {})", par.pp));
-  LEANSTEP_CHECK_ARG(par.ep >= 1, kWhere, "ep", fmt::format("must be >= 1 (got {})", par.ep));
+  // Limits (docs/lora.md): rank <= 2^20, each parallel size <= 2^16, at most 2^20 ranks.
+  LEANSTEP_CHECK_ARG(options.lora_rank >= 1 && options.lora_rank <= kMaxLoraRank, kWhere, "lora_rank",
+                     fmt::format("must be in [1, 2^20] (got {})", options.lora_rank));
+  LEANSTEP_CHECK_ARG(par.tp >= 1 && par.tp <= kMaxParallel, kWhere, "tp", fmt::format("must be in [1, 65536] (got {})", par.tp));
+  LEANSTEP_CHECK_ARG(par.pp >= 1 && par.pp <= kMaxParallel, kWhere, "pp", fmt::format("must be in [1, 65536] (got {})", par.pp));
+  LEANSTEP_CHECK_ARG(par.ep >= 1 && par.ep <= kMaxParallel, kWhere, "ep", fmt::format("must be in [1, 65536] (got {})", par.ep));
+  LEANSTEP_CHECK_ARG(par.tp * par.pp * par.ep <= kMaxRanks, kWhere, "tp",
+                     fmt::format("x pp x ep must be at most 2^20 ranks (got {} x {} x {})", par.tp, par.pp, par.ep));
+  LEANSTEP_CHECK_ARG(par.first_stage_layers >= -1, kWhere, "first_stage_layers",
+                     fmt::format("must be >= 0, or -1 for the even split (got {})", par.first_stage_layers));
+  LEANSTEP_CHECK_ARG(par.last_stage_layers >= -1, kWhere, "last_stage_layers",
+                     fmt::format("must be >= 0, or -1 for the even split (got {})", par.last_stage_layers));
+  LEANSTEP_CHECK_ARG(config.num_layers >= 0 && config.num_layers <= kMaxPlanLayers, kWhere, "config",
+                     fmt::format("must have at most 16384 layers (got {})", config.num_layers));
+  LEANSTEP_CHECK_ARG(config.num_experts >= 0 && config.num_experts <= kMaxPlanExperts, kWhere, "config",
+                     fmt::format("must have at most 65536 experts (got {})", config.num_experts));
   LEANSTEP_CHECK_ARG(par.etp == 1, kWhere, "etp",
                      fmt::format("must be 1: expert tensor parallelism > 1 is not supported with LoRA on grouped "
                                  "experts (got {})", par.etp));
@@ -200,6 +241,10 @@ Plan plan(const ModelConfig& config, const PlanOptions& options) {
                          "can only be given with pp > 1");
       stage_layers[0] = L;
     } else {
+      LEANSTEP_CHECK_ARG(par.first_stage_layers <= L && par.last_stage_layers <= L, kWhere,
+                         par.first_stage_layers > L ? "first_stage_layers" : "last_stage_layers",
+                         fmt::format("must not exceed num_hidden_layers {} (got {})", L,
+                                     std::max(par.first_stage_layers, par.last_stage_layers)));
       int64_t rest = L - (first ? par.first_stage_layers : 0) - (last ? par.last_stage_layers : 0);
       int64_t middle = par.pp - (first ? 1 : 0) - (last ? 1 : 0);
       if (rest < 0)
@@ -283,11 +328,32 @@ Plan plan(const ModelConfig& config, const PlanOptions& options) {
     next_layer += st.num_layers;
   }
   std::map<ModulePart, int64_t> tower_adapted;
+  // Every size below is checked: a product that does not fit in int64 is an Error,
+  // never a wrapped (wrong) count. The layout's length is bounded before it is built.
+  const char* ovf = "the plan's parameter count";
+  {
+    std::vector<int64_t> stage_entries(static_cast<size_t>(par.pp), 0);
+    for (size_t i = 0; i < p.all_modules.size(); ++i) {
+      if (!adapted[i]) continue;
+      const Module& m = p.all_modules[i];
+      size_t s = 0;
+      if (m.part == ModulePart::kLanguage)
+        while (m.layer >= p.stages[s].first_layer + p.stages[s].num_layers) ++s;
+      stage_entries[s] += 2 * (m.grouped_experts ? p.local_experts : 1);
+      if (stage_entries[s] > kMaxStageTensors)
+        throw_arg_error(kWhere, "config",
+                        fmt::format("gives pipeline stage {} more than 2^22 = {} adapter tensors; use more pipeline "
+                                    "stages or expert parallelism", s, kMaxStageTensors));
+    }
+  }
   for (size_t i = 0; i < p.all_modules.size(); ++i) {
     if (!adapted[i]) continue;
     const Module& m = p.all_modules[i];
     const int64_t copies_total = m.grouped_experts ? config.num_experts : 1;
-    p.total_params += copies_total * r * (m.in_features + m.out_features);
+    p.total_params = checked_add(
+        p.total_params,
+        checked_product({copies_total, r, checked_add(m.in_features, m.out_features, kWhere, ovf)}, kWhere, ovf), kWhere,
+        ovf);
     ++p.total_modules;
     if (m.part != ModulePart::kLanguage) {
       ++p.adapted_tower_modules;
@@ -304,7 +370,10 @@ Plan plan(const ModelConfig& config, const PlanOptions& options) {
     am.copies = m.grouped_experts ? p.local_experts : 1;
     am.a_shape = {r, m.split == TensorSplit::kRow ? m.in_features / par.tp : m.in_features};
     am.b_shape = {m.split == TensorSplit::kColumn ? m.out_features / par.tp : m.out_features, r};
-    am.params = am.copies * (am.a_shape[0] * am.a_shape[1] + am.b_shape[0] * am.b_shape[1]);
+    am.params = checked_mul(am.copies,
+                            checked_add(checked_mul(am.a_shape[0], am.a_shape[1], kWhere, ovf),
+                                        checked_mul(am.b_shape[0], am.b_shape[1], kWhere, ovf), kWhere, ovf),
+                            kWhere, ovf);
 
     std::string prefix = m.name;
     if (options.numbering == LayerNumbering::kLocal && m.part == ModulePart::kLanguage)
@@ -320,10 +389,10 @@ Plan plan(const ModelConfig& config, const PlanOptions& options) {
     }
     st.modules += 1;
     st.tensors += 2 * am.copies;
-    st.params += am.params;
+    st.params = checked_add(st.params, am.params, kWhere, ovf);
     st.adapted.push_back(std::move(am));
   }
-  for (StagePlan& st : p.stages) st.memory_bytes = st.params * kOptimizerBytesPerParam;
+  for (StagePlan& st : p.stages) st.memory_bytes = checked_mul(st.params, kOptimizerBytesPerParam, kWhere, "optimizer memory");
   if (towers_in_scope && p.adapted_tower_modules > 0) {
     std::string counts;
     for (auto& [part, n] : tower_adapted)

@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "leanstep/checked.h"
 #include "leanstep/core.h"
 #include "leanstep/stats.h"
 #include "stats/util.h"
@@ -53,6 +54,12 @@ void check_names(const std::vector<std::string>& names, const char* where, const
 
 }  // namespace
 
+int64_t CrossoverPlan::steps_per_run() const {
+  return checked_add(warmup,
+                     checked_mul(block_steps, static_cast<int64_t>(conditions.size()), "crossover plan", "steps per run"),
+                     "crossover plan", "steps per run");
+}
+
 PlannedStep CrossoverPlan::at(int run_index, int64_t position) const {
   LEANSTEP_CHECK_ARG(run_index >= 0 && run_index < static_cast<int>(runs.size()), "CrossoverPlan::at", "run_index",
                      fmt::format("must be in [0, {}) (got {})", runs.size(), run_index));
@@ -80,8 +87,17 @@ CrossoverPlan plan_crossover(const std::vector<std::string>& conditions, int run
   std::vector<std::string> allocations = allocations_in.empty() ? std::vector<std::string>{"default"} : allocations_in;
   check_names(allocations, where, "allocations");
   const int a = static_cast<int>(allocations.size());
-  LEANSTEP_CHECK_ARG(block_steps >= 1, where, "block_steps", fmt::format("must be >= 1 (got {})", block_steps));
-  LEANSTEP_CHECK_ARG(warmup >= 0, where, "warmup", fmt::format("must be >= 0 (got {})", warmup));
+  // Limits (docs/stats.md): so that every step count of the plan fits in int64 and the
+  // plan itself in memory.
+  LEANSTEP_CHECK_ARG(k <= kMaxPlanConditions, where, "conditions",
+                     fmt::format("must name at most {} conditions (got {})", kMaxPlanConditions, k));
+  LEANSTEP_CHECK_ARG(allocations.size() <= static_cast<size_t>(kMaxPlanConditions), where, "allocations",
+                     fmt::format("must name at most {} allocations (got {})", kMaxPlanConditions, allocations.size()));
+  LEANSTEP_CHECK_ARG(block_steps >= 1 && block_steps <= kMaxPlanSteps, where, "block_steps",
+                     fmt::format("must be in [1, 2^40] (got {})", block_steps));
+  LEANSTEP_CHECK_ARG(warmup >= 0 && warmup <= kMaxPlanSteps, where, "warmup",
+                     fmt::format("must be in [0, 2^40] (got {})", warmup));
+  LEANSTEP_CHECK_ARG(runs <= kMaxPlanRuns, where, "runs", fmt::format("must be at most {} (got {})", kMaxPlanRuns, runs));
   LEANSTEP_CHECK_ARG(exclude_after_transition >= 0 && exclude_after_transition < block_steps, where,
                      "exclude_after_transition",
                      fmt::format("must be in [0, block_steps = {}) (got {})", block_steps, exclude_after_transition));
@@ -203,10 +219,16 @@ CrossoverPlan plan_from_json(const json& j, const std::string& name) {
     bad(fmt::format("malformed crossover plan ({})", e.what()));
   }
   if (p.conditions.size() < 2) bad("a crossover plan needs at least 2 conditions");
-  if (p.block_steps < 1) bad(fmt::format("'block_steps' must be >= 1 (got {})", p.block_steps));
-  if (p.warmup < 0) bad(fmt::format("'warmup' must be >= 0 (got {})", p.warmup));
-  if (p.exclude_after_transition < 0) bad("'exclude_after_transition' must be >= 0");
+  if (p.conditions.size() > static_cast<size_t>(kMaxPlanConditions))
+    bad(fmt::format("a crossover plan has at most {} conditions (got {})", kMaxPlanConditions, p.conditions.size()));
+  if (p.block_steps < 1 || p.block_steps > kMaxPlanSteps)
+    bad(fmt::format("'block_steps' must be in [1, 2^40] (got {})", p.block_steps));
+  if (p.warmup < 0 || p.warmup > kMaxPlanSteps) bad(fmt::format("'warmup' must be in [0, 2^40] (got {})", p.warmup));
+  if (p.exclude_after_transition < 0 || p.exclude_after_transition > kMaxPlanSteps)
+    bad(fmt::format("'exclude_after_transition' must be in [0, 2^40] (got {})", p.exclude_after_transition));
   if (p.runs.empty()) bad("a crossover plan needs at least one run");
+  if (p.runs.size() > static_cast<size_t>(kMaxPlanRuns))
+    bad(fmt::format("a crossover plan has at most {} runs (got {})", kMaxPlanRuns, p.runs.size()));
   std::set<std::string> names;
   for (const auto& r : p.runs) {
     if (!names.insert(r.name).second) bad(fmt::format("run '{}' appears twice", r.name));
@@ -225,7 +247,7 @@ CrossoverPlan read_plan(const std::string& path) {
   json j;
   try {
     j = json::parse(in);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers such as 1e400
     throw Error(fmt::format("{}: invalid JSON ({})", path, e.what()));
   }
   return plan_from_json(j, path);
@@ -456,8 +478,8 @@ CrossoverResult analyze_crossover(const std::vector<StepRecord>& records_in, con
     if (incomplete)
       res.notes.push_back(fmt::format("run '{}': {} step(s) with missing ranks excluded (not filled)", s.run, incomplete));
     if (!s.missing_steps.empty())
-      res.notes.push_back(fmt::format("run '{}': {} step(s) logged by no rank: {}", s.run, s.missing_steps.size(),
-                                      list_steps(s.missing_steps)));
+      res.notes.push_back(fmt::format("run '{}': {} step(s) logged by no rank: {}", s.run, s.missing_step_count,
+                                      list_steps(s.missing_steps, 8, s.missing_step_count)));
   }
   for (const auto& c : conditions) {
     ConditionSummary cs;

@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <filesystem>
@@ -104,14 +105,42 @@ bool parse_double_text(const std::string& s, double& out) {
     return true;
   }
   char* end = nullptr;
+  errno = 0;
   out = std::strtod(s.c_str(), &end);
+  // 1e400 overflows to inf: out of the double range, not a number this log meant.
+  if (errno == ERANGE && std::isinf(out)) return false;
   return end == s.c_str() + s.size();
+}
+
+// Text fields must be valid UTF-8 (they are written back as JSON).
+bool valid_utf8(const std::string& s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    int len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (len == 0 || i + static_cast<size_t>(len) > s.size()) return false;
+    uint32_t cp = len == 1 ? c : len == 2 ? (c & 0x1Fu) : len == 3 ? (c & 0x0Fu) : (c & 0x07u);
+    for (int k = 1; k < len; ++k) {
+      const unsigned char cc = static_cast<unsigned char>(s[i + static_cast<size_t>(k)]);
+      if ((cc >> 6) != 0x2) return false;
+      cp = (cp << 6) | (cc & 0x3Fu);
+    }
+    // Overlong forms, surrogates and code points beyond U+10FFFF are not UTF-8.
+    if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) || cp > 0x10FFFF ||
+        (cp >= 0xD800 && cp <= 0xDFFF))
+      return false;
+    i += static_cast<size_t>(len);
+  }
+  return true;
 }
 
 // Validates the fields common to both formats.
 void check_record(const StepRecord& r, const std::string& name, int64_t line) {
-  if (r.rank < 0) fail_at(name, line, fmt::format("'rank' must be >= 0 (got {})", r.rank));
-  if (r.step < 0) fail_at(name, line, fmt::format("'step' must be >= 0 (got {})", r.step));
+  if (r.rank < 0) fail_at(name, line, fmt::format("'rank' must be in [0, 2^31 - 1] (got {})", r.rank));
+  if (r.step < 0 || r.step > kMaxStep) fail_at(name, line, fmt::format("'step' must be in [0, 2^62] (got {})", r.step));
+  for (const auto& [key, text] : {std::pair<const char*, const std::string*>{"run", &r.run}, {"condition", &r.condition},
+                                  {"allocation", &r.allocation}})
+    if (!valid_utf8(*text)) fail_at(name, line, fmt::format("'{}' must be valid UTF-8 text", key));
   if (!(std::isfinite(r.duration_s) && r.duration_s > 0))
     fail_at(name, line, fmt::format("'duration_s' must be a finite number > 0 (got {})", r.duration_s));
   if (r.block && *r.block < 0) fail_at(name, line, fmt::format("'block' must be >= 0 (got {})", *r.block));
@@ -123,6 +152,9 @@ int64_t json_int(const json& obj, const char* key, const std::string& name, int6
   const json& v = obj.at(key);
   if (!v.is_number_integer())
     fail_at(name, line, fmt::format("'{}' must be an integer (got {})", key, short_value(v.dump())));
+  // Above 2^63 - 1 nlohmann holds an unsigned value: never wrap it to a negative one.
+  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+    fail_at(name, line, fmt::format("'{}' must be at most 2^62 (got {})", key, v.dump()));
   return v.get<int64_t>();
 }
 
@@ -149,7 +181,7 @@ StepRecord parse_json_line(const std::string& text, const std::string& name, int
   json obj;
   try {
     obj = json::parse(quote_nonfinite_tokens(text));
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers such as 1e400
     std::string what = e.what();
     // nlohmann's message starts with "[json.exception.parse_error.101] parse error at ...".
     const size_t pos = what.find("] ");
@@ -163,14 +195,14 @@ StepRecord parse_json_line(const std::string& text, const std::string& name, int
   r.run = obj.contains("run") ? json_text(obj, "run", name, line) : "";
   if (r.run.empty()) r.run = default_run;
   const int64_t rank = json_int(obj, "rank", name, line);
-  if (rank < 0 || rank > INT32_MAX) fail_at(name, line, fmt::format("'rank' must be >= 0 (got {})", rank));
+  if (rank < 0 || rank > INT32_MAX) fail_at(name, line, fmt::format("'rank' must be in [0, 2^31 - 1] (got {})", rank));
   r.rank = static_cast<int>(rank);
   r.step = json_int(obj, "step", name, line);
   r.duration_s = json_number(obj, "duration_s", name, line, false);
   if (obj.contains("condition")) r.condition = json_text(obj, "condition", name, line);
   if (obj.contains("block") && !obj.at("block").is_null()) {
     const int64_t b = json_int(obj, "block", name, line);
-    if (b < 0 || b > INT32_MAX) fail_at(name, line, fmt::format("'block' must be >= 0 (got {})", b));
+    if (b < 0 || b > INT32_MAX) fail_at(name, line, fmt::format("'block' must be in [0, 2^31 - 1] (got {})", b));
     r.block = static_cast<int>(b);
   }
   // null is read as NaN: JSON encoders such as nlohmann::json write NaN as null, and a
@@ -263,8 +295,11 @@ std::vector<StepRecord> parse_csv(const std::string& text, const std::string& na
       int64_t v = 0;
       auto c = cell(key);
       if (!c) fail_at(name, line_no, fmt::format("missing required value '{}'", key));
-      if (!parse_int_text(*c, v))
-        fail_at(name, line_no, fmt::format("'{}' must be an integer (got \"{}\")", key, short_value(*c)));
+      if (!parse_int_text(*c, v)) {
+        const bool digits = c->find_first_not_of("+-0123456789") == std::string::npos;
+        fail_at(name, line_no, fmt::format("'{}' must be {} (got \"{}\")", key,
+                                           digits ? "an integer in [0, 2^62]" : "an integer", short_value(*c)));
+      }
       return v;
     };
     auto number = [&](const char* key) -> std::optional<double> {
@@ -272,14 +307,16 @@ std::vector<StepRecord> parse_csv(const std::string& text, const std::string& na
       if (!c) return std::nullopt;
       double v = 0;
       if (!parse_double_text(*c, v))
-        fail_at(name, line_no, fmt::format("'{}' must be a number (got \"{}\")", key, short_value(*c)));
+        fail_at(name, line_no,
+                fmt::format("'{}' must be a number within the double range (got \"{}\")", key, short_value(*c)));
       return v;
     };
     StepRecord r;
     r.origin = fmt::format("{}:{}", name, line_no);
     r.run = cell("run").value_or(default_run);
     const int64_t rank = integer("rank");
-    if (rank < 0 || rank > INT32_MAX) fail_at(name, line_no, fmt::format("'rank' must be >= 0 (got {})", rank));
+    if (rank < 0 || rank > INT32_MAX)
+      fail_at(name, line_no, fmt::format("'rank' must be in [0, 2^31 - 1] (got {})", rank));
     r.rank = static_cast<int>(rank);
     r.step = integer("step");
     auto duration = number("duration_s");
@@ -288,7 +325,8 @@ std::vector<StepRecord> parse_csv(const std::string& text, const std::string& na
     r.condition = cell("condition").value_or("");
     if (cell("block")) {
       const int64_t b = integer("block");
-      if (b < 0 || b > INT32_MAX) fail_at(name, line_no, fmt::format("'block' must be >= 0 (got {})", b));
+      if (b < 0 || b > INT32_MAX)
+        fail_at(name, line_no, fmt::format("'block' must be in [0, 2^31 - 1] (got {})", b));
       r.block = static_cast<int>(b);
     }
     r.loss = number("loss");

@@ -23,16 +23,24 @@ using nlohmann::json;
 
 double mean_of(const std::vector<double>& v) {
   if (v.empty()) return std::nan("");
-  // Two-pass style: sum of values is exact enough for step durations (a few thousand
-  // values of similar size); keep it plain for readability.
-  return std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+  // The plain sum is exact enough for step durations (a few thousand values of similar size).
+  const double n = static_cast<double>(v.size());
+  const double sum = std::accumulate(v.begin(), v.end(), 0.0);
+  if (std::isfinite(sum) || !std::all_of(v.begin(), v.end(), [](double x) { return std::isfinite(x); }))
+    return sum / n;
+  // Finite values whose sum overflows (e.g. two of 1.7e308): divide first, so the
+  // mean of finite values is finite.
+  double mean = 0;
+  for (double x : v) mean += x / n;
+  return mean;
 }
 
 double median_of(std::vector<double> v) {
   if (v.empty()) return std::nan("");
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  // Halves first: the same bits as 0.5 * (a + b) for normal values, and no overflow.
+  return n % 2 ? v[n / 2] : 0.5 * v[n / 2 - 1] + 0.5 * v[n / 2];
 }
 
 double stddev_of(const std::vector<double>& v) {
@@ -40,7 +48,16 @@ double stddev_of(const std::vector<double>& v) {
   const double m = mean_of(v);
   double ss = 0;
   for (double x : v) ss += (x - m) * (x - m);
-  return std::sqrt(ss / static_cast<double>(v.size() - 1));
+  if (std::isfinite(ss) || !std::isfinite(m)) return std::sqrt(ss / static_cast<double>(v.size() - 1));
+  // Squares of finite deviations that overflow: scale by the largest deviation.
+  double scale = 0;
+  for (double x : v) scale = std::max(scale, std::fabs(x / 2 - m / 2));
+  double scaled = 0;
+  for (double x : v) {
+    const double d = (x / 2 - m / 2) / scale;
+    scaled += d * d;
+  }
+  return 2 * scale * std::sqrt(scaled / static_cast<double>(v.size() - 1));
 }
 
 double percentile_sorted(const std::vector<double>& sorted, double q) {
@@ -51,13 +68,15 @@ double percentile_sorted(const std::vector<double>& sorted, double q) {
   return sorted[lo] + (pos - static_cast<double>(lo)) * (sorted[hi] - sorted[lo]);
 }
 
-std::string list_steps(const std::vector<int64_t>& steps, size_t limit) {
+std::string list_steps(const std::vector<int64_t>& steps, size_t limit, int64_t total) {
   std::string s;
   for (size_t i = 0; i < steps.size() && i < limit; ++i) {
     if (i) s += ", ";
     s += std::to_string(steps[i]);
   }
-  if (steps.size() > limit) s += fmt::format(", ... {} more", steps.size() - limit);
+  const int64_t all = std::max<int64_t>(total, static_cast<int64_t>(steps.size()));
+  if (all > static_cast<int64_t>(limit) && !steps.empty())
+    s += fmt::format(", ... {} more", all - static_cast<int64_t>(std::min(limit, steps.size())));
   return s;
 }
 
@@ -106,15 +125,17 @@ std::vector<StepSeries> build_series(const std::vector<StepRecord>& records) {
     s.first_step = by_step.begin()->first;
     int64_t expected = s.first_step;
     for (const auto& [step, rs] : by_step) {
-      for (; expected < step; ++expected) s.missing_steps.push_back(expected);
+      if (expected < step) {
+        s.missing_step_count += step - expected;
+        for (; expected < step && s.missing_steps.size() < kMaxListedSteps; ++expected) s.missing_steps.push_back(expected);
+      }
       expected = step + 1;
       const StepRecord* slowest = nullptr;
       std::string condition;
       const StepRecord* condition_from = nullptr;
       int block = -1;
       const StepRecord* block_from = nullptr;
-      double loss_sum = 0, grad_sum = 0;
-      int loss_n = 0, grad_n = 0;
+      std::vector<double> losses, grad_norms;
       for (const StepRecord* r : rs) {
         if (!slowest || r->duration_s > slowest->duration_s ||
             (r->duration_s == slowest->duration_s && r->rank < slowest->rank))
@@ -135,8 +156,8 @@ std::vector<StepSeries> build_series(const std::vector<StepRecord>& records) {
           block = *r->block;
           block_from = r;
         }
-        if (r->loss) loss_sum += *r->loss, ++loss_n;
-        if (r->grad_norm) grad_sum += *r->grad_norm, ++grad_n;
+        if (r->loss) losses.push_back(*r->loss);
+        if (r->grad_norm) grad_norms.push_back(*r->grad_norm);
       }
       s.steps.push_back(step);
       s.duration_s.push_back(slowest->duration_s);
@@ -153,8 +174,8 @@ std::vector<StepSeries> build_series(const std::vector<StepRecord>& records) {
       }
       s.condition.push_back(condition);
       s.block.push_back(block);
-      s.loss.push_back(loss_n ? std::optional<double>(loss_sum / loss_n) : std::nullopt);
-      s.grad_norm.push_back(grad_n ? std::optional<double>(grad_sum / grad_n) : std::nullopt);
+      s.loss.push_back(losses.empty() ? std::nullopt : std::optional<double>(mean_of(losses)));
+      s.grad_norm.push_back(grad_norms.empty() ? std::nullopt : std::optional<double>(mean_of(grad_norms)));
     }
     out.push_back(std::move(s));
   }
@@ -173,6 +194,7 @@ RunSummary summarize_series(const StepSeries& s, int64_t warmup, int64_t window)
   r.warmup = warmup;
   r.window = window;
   r.missing_steps = s.missing_steps;
+  r.missing_step_count = s.missing_step_count;
   r.incomplete = s.incomplete;
   std::vector<double> used;
   std::map<int, int64_t> slowest;
@@ -296,8 +318,8 @@ std::string finite_word(int64_t values, bool finite) {
 std::string missing_lines(const RunSummary& r) {
   std::string out;
   if (!r.missing_steps.empty())
-    out += fmt::format("  run '{}': {} step(s) logged by no rank: {}\n", r.run, r.missing_steps.size(),
-                       list_steps(r.missing_steps));
+    out += fmt::format("  run '{}': {} step(s) logged by no rank: {}\n", r.run, r.missing_step_count,
+                       list_steps(r.missing_steps, 8, r.missing_step_count));
   if (!r.incomplete.empty()) {
     std::vector<int64_t> steps;
     for (const auto& [s, ranks] : r.incomplete) steps.push_back(s);
@@ -397,6 +419,7 @@ json to_json(const RunSummary& r) {
           {"loss_finite", r.loss_values ? json(r.loss_finite) : json(nullptr)},
           {"grad_norm_finite", r.grad_norm_values ? json(r.grad_norm_finite) : json(nullptr)},
           {"missing_steps", r.missing_steps},
+          {"missing_step_count", r.missing_step_count},
           {"incomplete_steps", incomplete},
           {"slowest_rank_steps", slowest}};
 }

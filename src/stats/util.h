@@ -18,7 +18,8 @@ double stddev_of(const std::vector<double>& v);  // sample standard deviation (n
 double percentile_sorted(const std::vector<double>& sorted, double q);
 
 // "3 (40, 41, 57)" style lists, shortened after `limit` items.
-std::string list_steps(const std::vector<int64_t>& steps, size_t limit = 8);
+// `total` (when larger than steps.size()) is the full count of which `steps` lists the first.
+std::string list_steps(const std::vector<int64_t>& steps, size_t limit = 8, int64_t total = 0);
 std::string format_seconds(double s);    // "12.345 ms" / "1.234 s"
 std::string format_percent(double x);    // "+12.34%"
 

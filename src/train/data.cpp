@@ -1,4 +1,5 @@
 // The byte-level corpus and its seeded microbatches.
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
@@ -12,6 +13,9 @@ namespace leanstep::train::detail {
 
 Corpus::Corpus(const std::string& path, int64_t min_bytes) : path_(path) {
   if (path.empty()) throw Error("train: no corpus given (key 'train.corpus' of the config)");
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw Error(fmt::format("train: key 'train.corpus' must name a text file (got '{}', which is a directory)", path));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(fmt::format("train: cannot read corpus '{}'", path));
   bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());

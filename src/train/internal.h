@@ -48,7 +48,12 @@ struct TensorToWrite {
 // in the same directory, flushed to disk and renamed over `path` (atomic).
 void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                        const std::map<std::string, std::string>& metadata);
-// Reads and validates a file written by write_safetensors (F32 tensors only).
+// Reads and validates a file written by write_safetensors (F32 tensors only): the
+// header, every offset, and every tensor's checksum (metadata "fnv1a64.<name>").
 SafetensorsFile read_safetensors(const std::string& path);
+// The same from the file's bytes; `path` names it in messages.
+SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& path);
+// The metadata key of a tensor's checksum.
+std::string checksum_key(const std::string& tensor_name);
 
 }  // namespace leanstep::train::detail

@@ -6,6 +6,7 @@
 // L2 norm reduced over ranks -> skip on found_inf -> clip -> AdamW -> the
 // updated shards gathered to every rank.
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -442,8 +443,34 @@ void Trainer::load(const std::string& dir) {
       if (it->second.shape != ti.shape)
         throw Error(fmt::format("train: checkpoint '{}' tensor '{}' has shape [{}], this config has [{}]", path, name,
                                 fmt::join(it->second.shape, ", "), fmt::join(ti.shape, ", ")));
+      // A checkpoint that resumes into NaN losses is not a checkpoint: refuse non-finite
+      // weights and moments (and negative second moments) before changing any state.
+      const auto& d = it->second.data;
+      for (size_t k = 0; k < d.size(); ++k)
+        if (!std::isfinite(d[k]) || (name.rfind("optimizer.exp_avg_sq.", 0) == 0 && d[k] < 0.0f))
+          throw Error(fmt::format("train: checkpoint '{}' tensor '{}' holds {} at element {}: refusing to resume from "
+                                  "a corrupt state",
+                                  path, name, d[k], k));
       found.push_back(&it->second);
     }
+  auto count = [&](const char* key) {
+    const std::string& text = meta(key);
+    int64_t v = -1;
+    const auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+    if (ec != std::errc() || p != text.data() + text.size() || v < 0 || v > (int64_t{1} << 40))
+      throw Error(fmt::format("train: checkpoint '{}' metadata '{}' must be an integer in [0, 2^40] (got '{}')", path,
+                              key, text));
+    return v;
+  };
+  const int64_t next_step = count("next_step"), adam_step = count("adam_step"), good_steps = count("good_steps");
+  const std::string& scale_text = meta("loss_scale");
+  if (scale_text.size() != 16 || scale_text.find_first_not_of("0123456789abcdef") != std::string::npos)
+    throw Error(fmt::format("train: checkpoint '{}' metadata 'loss_scale' must be 16 hex digits (got '{}')", path,
+                            scale_text));
+  const double loss_scale = from_hex_double(scale_text);
+  if (!(std::isfinite(loss_scale) && loss_scale > 0))
+    throw Error(fmt::format("train: checkpoint '{}' metadata 'loss_scale' must be finite and > 0 (got {})", path,
+                            loss_scale));
   std::memset(s.params.data(), 0, s.params.nbytes());
   std::memset(s.exp_avg.data(), 0, s.exp_avg.nbytes());
   std::memset(s.exp_avg_sq.data(), 0, s.exp_avg_sq.nbytes());
@@ -454,10 +481,10 @@ void Trainer::load(const std::string& dir) {
       std::memcpy(dst[k] + s.offsets[i], src.data(), src.size() * sizeof(float));
     }
   }
-  s.next_step = std::stoll(meta("next_step"));
-  s.adam_step = std::stoll(meta("adam_step"));
-  s.loss_scale = from_hex_double(meta("loss_scale"));
-  s.good_steps = std::stoll(meta("good_steps"));
+  s.next_step = next_step;
+  s.adam_step = adam_step;
+  s.loss_scale = loss_scale;
+  s.good_steps = good_steps;
   if (!s.cfg.train.loss_scaling) s.loss_scale = 1.0;
 }
 

@@ -8,15 +8,18 @@ if(TARGET test_dispatch_tsan)
 endif()
 
 # The `leanstep paths` command: the report after demo calls names every area's
-# ops with counts and decline reasons; a bad preset is refused.
+# ops with counts and decline reasons; a bad preset is refused (exit 2).
 if(TARGET leanstep_cli)
-  add_test(NAME dispatch_cli_paths COMMAND leanstep_cli paths --demo-calls)
-  set_tests_properties(dispatch_cli_paths PROPERTIES LABELS "dispatch;cli" TIMEOUT 120
-    PASS_REGULAR_EXPRESSION "declined: 1 x plan has no coalesced region.*moe.permute.*frozen_fused +1 calls +declined: 1 x autocast; 1 x weight_requires_grad")
-  add_test(NAME dispatch_cli_paths_json COMMAND leanstep_cli paths --json --preset baseline --demo-calls)
-  set_tests_properties(dispatch_cli_paths_json PROPERTIES LABELS "dispatch;cli" TIMEOUT 120
-    PASS_REGULAR_EXPRESSION "preset 'baseline' disables this op's fast paths.*\"preset\":\"baseline\"")
-  add_test(NAME dispatch_cli_bad_preset COMMAND leanstep_cli paths --preset no_such_op)
-  set_tests_properties(dispatch_cli_bad_preset PROPERTIES LABELS "dispatch;cli" TIMEOUT 60
-    PASS_REGULAR_EXPRESSION "'no_such_op' names none")
+  set(_cli $<TARGET_FILE:leanstep_cli>)
+  leanstep_cli_test(dispatch_cli_paths dispatch
+    --match "declined: 1 x plan has no coalesced region"
+    --match "moe.permute"
+    --match "frozen_fused +1 calls +declined: 1 x autocast\\; 1 x weight_requires_grad"
+    -- ${_cli} paths --demo-calls)
+  leanstep_cli_test(dispatch_cli_paths_json dispatch
+    --match "preset 'baseline' disables this op's fast paths"
+    --match "\"preset\":\"baseline\""
+    -- ${_cli} paths --json --preset baseline --demo-calls)
+  leanstep_cli_test(dispatch_cli_bad_preset dispatch --rc 2 --match "'no_such_op' names none"
+    -- ${_cli} paths --preset no_such_op)
 endif()

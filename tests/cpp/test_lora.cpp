@@ -250,8 +250,8 @@ TEST(LoraPlan, ParallelSizeErrors) {
   EXPECT_LEANSTEP_ERROR(plan_of(mlp, options({"all-linear"}, 2, {.tp = 4})),
                         "argument 'tp' must divide the input dim 90 of row-parallel decoder.layers.0.mlp.linear_fc2 (got 4)");
   EXPECT_LEANSTEP_ERROR(lora::plan(c, options({"all-linear"}, 2, {.pp = 3})), "argument 'pp' must divide num_hidden_layers 4");
-  EXPECT_LEANSTEP_ERROR(lora::plan(c, options({"all-linear"}, 0)), "argument 'lora_rank' must be >= 1");
-  EXPECT_LEANSTEP_ERROR(lora::plan(c, options({"all-linear"}, 2, {.tp = 0})), "argument 'tp' must be >= 1");
+  EXPECT_LEANSTEP_ERROR(lora::plan(c, options({"all-linear"}, 0)), "argument 'lora_rank' must be in [1, 2^20] (got 0)");
+  EXPECT_LEANSTEP_ERROR(lora::plan(c, options({"all-linear"}, 2, {.tp = 0})), "argument 'tp' must be in [1, 65536] (got 0)");
   EXPECT_LEANSTEP_ERROR(lora::plan(c, options({}, 2)), "argument 'targets' must not be empty");
   EXPECT_LEANSTEP_ERROR(lora::plan(c, options({"all-linear"}, 2, {.pp = 2, .first_stage_layers = 1, .last_stage_layers = 2})),
                         "must equal num_hidden_layers 4");

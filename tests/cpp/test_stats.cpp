@@ -130,15 +130,15 @@ TEST(StatsLog, MalformedJsonLinesNameFileAndLine) {
       {"{\"rank\":0,\"duration_s\":1}", "missing required key 'step'"},
       {"{\"rank\":0,\"step\":1}", "missing required key 'duration_s'"},
       {"{\"rank\":1.5,\"step\":1,\"duration_s\":1}", "'rank' must be an integer"},
-      {"{\"rank\":-1,\"step\":1,\"duration_s\":1}", "'rank' must be >= 0"},
-      {"{\"rank\":0,\"step\":-3,\"duration_s\":1}", "'step' must be >= 0"},
+      {"{\"rank\":-1,\"step\":1,\"duration_s\":1}", "'rank' must be in [0, 2^31 - 1] (got -1)"},
+      {"{\"rank\":0,\"step\":-3,\"duration_s\":1}", "'step' must be in [0, 2^62] (got -3)"},
       {"{\"rank\":0,\"step\":\"4\",\"duration_s\":1}", "'step' must be an integer"},
       {"{\"rank\":0,\"step\":1,\"duration_s\":-0.5}", "'duration_s' must be a finite number > 0"},
       {"{\"rank\":0,\"step\":1,\"duration_s\":0}", "'duration_s' must be a finite number > 0"},
       {"{\"rank\":0,\"step\":1,\"duration_s\":NaN}", "'duration_s' must be a finite number > 0"},
       {"{\"rank\":0,\"step\":1,\"duration_s\":null}", "'duration_s' must be a number"},
       {"{\"rank\":0,\"step\":1,\"duration_s\":\"fast\"}", "'duration_s' must be a number"},
-      {"{\"rank\":0,\"step\":1,\"duration_s\":1,\"block\":-1}", "'block' must be >= 0"},
+      {"{\"rank\":0,\"step\":1,\"duration_s\":1,\"block\":-1}", "'block' must be in [0, 2^31 - 1] (got -1)"},
       {"{\"rank\":0,\"step\":1,\"duration_s\":1,\"condition\":[1]}", "'condition' must be a string"},
       {"{\"rank\":0,\"step\":1,\"duration_s\":1,\"loss\":\"low\"}", "'loss' must be a number"},
   };
@@ -160,7 +160,7 @@ TEST(StatsLog, MalformedCsvNameFileAndLine) {
   EXPECT_LEANSTEP_ERROR(parse_step_log(header + "x,0,1,2\n", "a.csv", true), "a.csv:2: 'rank' must be an integer (got \"x\")");
   EXPECT_LEANSTEP_ERROR(parse_step_log(header + "0,0,,2\n", "a.csv", true), "a.csv:2: missing required value 'duration_s'");
   EXPECT_LEANSTEP_ERROR(parse_step_log(header + "0,0,1,abc\n", "a.csv", true), "a.csv:2: 'loss' must be a number");
-  EXPECT_LEANSTEP_ERROR(parse_step_log(header + "0,0,1e400,1\n", "a.csv", true), "a.csv:2: 'duration_s' must be a finite");
+  EXPECT_LEANSTEP_ERROR(parse_step_log(header + "0,0,1e400,1\n", "a.csv", true), "a.csv:2: 'duration_s' must be a number within the double range (got \"1e400\")");
   EXPECT_LEANSTEP_ERROR(parse_step_log(header + "\"0,0,1,1\n", "a.csv", true), "a.csv:2: malformed CSV line");
 }
 

@@ -93,8 +93,8 @@ TEST(StatsPlan, ImpossibleRequestsAreErrors) {
   EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B", "A"}, 3, 10, 0), "must not repeat a name (got 'A' twice)");
   EXPECT_LEANSTEP_ERROR(plan_crossover({"A", ""}, 2, 10, 0), "must not contain empty names");
   EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B,C"}, 2, 10, 0), "must not contain ','");
-  EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B"}, 2, 0, 0), "argument 'block_steps' must be >= 1");
-  EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B"}, 2, 10, -1), "argument 'warmup' must be >= 0");
+  EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B"}, 2, 0, 0), "argument 'block_steps' must be in [1, 2^40] (got 0)");
+  EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B"}, 2, 10, -1), "argument 'warmup' must be in [0, 2^40] (got -1)");
   EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B"}, 2, 10, 0, {}, 10), "exclude_after_transition");
   EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B"}, 2, 10, 0, {"x", "x"}), "argument 'allocations' must not repeat");
 }

@@ -323,7 +323,8 @@ TEST(Train, CheckpointFromAnotherConfigIsRefused) {
 TEST(Train, BadConfigsAreRefused) {
   const std::string good = R"({"model_type": "qwen3_moe", "hidden_size": 16, "num_hidden_layers": 1,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "num_experts": 4,
-    "num_experts_per_tok": 2, "moe_intermediate_size": 8, "vocab_size": 256})";
+    "num_experts_per_tok": 2, "moe_intermediate_size": 8, "vocab_size": 256,
+    "lora": {"rank": 2, "alpha": 4}})";
   EXPECT_NO_THROW(parse_config(good));
   auto with = [&](const std::string& key, const std::string& value) {
     nlohmann::json j = nlohmann::json::parse(good);
@@ -338,8 +339,10 @@ TEST(Train, BadConfigsAreRefused) {
   EXPECT_LEANSTEP_ERROR(parse_config(with("head_dim", "5")), "head_dim");
   EXPECT_LEANSTEP_ERROR(parse_config(with("hidden_size", "\"big\"")), "wrong type");
   EXPECT_LEANSTEP_ERROR(parse_config(with("hidden_size", "0")), "hidden_size");
-  EXPECT_LEANSTEP_ERROR(parse_config(with("lora", R"({"targets": ["linear_qkvz"]})")), "unknown module");
-  EXPECT_LEANSTEP_ERROR(parse_config(with("lora", R"({"rank": 0})")), "lora.rank");
+  EXPECT_LEANSTEP_ERROR(parse_config(with("lora", R"({"rank": 2, "alpha": 4, "targets": ["linear_qkvz"]})")),
+                        "unknown module");
+  EXPECT_LEANSTEP_ERROR(parse_config(with("lora", R"({"rank": 0, "alpha": 4})")),
+                        "key 'lora.rank' must be in [1, 4096] (got 0)");
   EXPECT_LEANSTEP_ERROR(parse_config(with("train", R"({"lr": -1})")), "train.lr");
   EXPECT_LEANSTEP_ERROR(parse_config(with("train", R"({"adam_beta2": 1.0})")), "train.adam_beta2");
   EXPECT_LEANSTEP_ERROR(load_config(kSource + "/examples/tiny-moe/no-such-file.json"), "cannot read");
