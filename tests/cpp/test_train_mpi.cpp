@@ -26,9 +26,19 @@ comm::Communicator& world() {
   return *c;
 }
 
-#define SKIP_UNLESS_MPI()                                                               \
-  do {                                                                                  \
-    if (!comm::mpi_available() || !under_mpirun()) GTEST_SKIP() << "needs mpirun -np 2"; \
+// Run alone the cases skip. Under the CTest wrapper (LEANSTEP_REQUIRE_MPI_RANKS=2)
+// a case that cannot run is a failure: a wrapper whose cases all skip must not pass,
+// nor one started with the wrong number of ranks.
+#define SKIP_UNLESS_MPI()                                                                              \
+  do {                                                                                                 \
+    const char* required = std::getenv("LEANSTEP_REQUIRE_MPI_RANKS");                                  \
+    if (!comm::mpi_available() || !under_mpirun()) {                                                  \
+      if (required) FAIL() << "LEANSTEP_REQUIRE_MPI_RANKS is set but this is not an MPI run (built "   \
+                           << (comm::mpi_available() ? "with" : "without") << " MPI)";                 \
+      GTEST_SKIP() << "needs mpirun -np 2";                                                                         \
+    }                                                                                                  \
+    if (required && world().size() != std::atoi(required))                                             \
+      FAIL() << "needs exactly " << required << " MPI ranks (got " << world().size() << ")";           \
   } while (0)
 
 Config small_config() {
