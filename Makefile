@@ -52,7 +52,7 @@ test-cpp: build
 	ctest --preset release -j $(JOBS)
 
 test-python: python
-	$(PY) -m pytest -q tests/python
+	$(PY) -m pytest -q -rs tests/python
 
 python312: pydeps312
 ifneq ($(PYTHON312),)
@@ -63,7 +63,7 @@ endif
 # machine without a Python 3.12 cannot test the 0.17+ line: it says so.
 test-python312: python312
 ifneq ($(PYTHON312),)
-	$(PY312) -m pytest -q tests/python
+	$(PY312) -m pytest -q -rs tests/python
 else
 	@echo "NOT TESTED: megatron-core 0.17+ (no Python 3.12 on this machine; install one, e.g. with pyenv)"
 endif
