@@ -6,21 +6,34 @@
   any torch device (cuda, npu through torch_npu, xpu, mps, and meta for
   tests); it can be forced on CPU tensors so its numerics are tested here.
   It never reads a device value on the host.
+- ``"triton"``: Triton kernels over region tables (python/leanstep/backends/
+  triton_*.py), for the ops that have them (``choose(..., triton=True)``).
+  Chosen automatically for cuda, xpu and npu tensors when ``import triton``
+  works and a Triton driver for that device is active; forced with
+  ``backend="triton"``, also on CPU tensors under Triton's interpreter
+  (``TRITON_INTERPRET=1``, tests). Elsewhere the torch-op backend runs.
+  triton is imported only when a call on such a device (or a forced one)
+  asks for it: ``import leanstep`` never imports it.
 
 Every routed call is counted per (op, backend, device type); :func:`calls`
 returns the counts and :func:`reset_calls` clears them.
 """
 
 import collections
+import os
 import sys
 import threading
 
 from ._leanstep import Error
 
-BACKENDS = ("cpu", "torch")
+BACKENDS = ("cpu", "torch", "triton")
+#: torch device types with Triton kernels -> the Triton driver backends that run them.
+TRITON_TARGETS = {"cuda": ("cuda", "hip"), "xpu": ("xpu",), "npu": ("npu", "ascend")}
 
 _lock = threading.Lock()
 _calls = collections.Counter()
+_reasons = collections.Counter()
+_triton_drivers = {}  # device type -> None (usable) or why not, once per process
 
 
 def _torch():
@@ -66,31 +79,109 @@ def device_of(tensors, where, names=None):
     return first
 
 
-def choose(tensors, backend, where, names=None):
+def _interpret_requested():
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def triton_unusable(device):
+    """None if leanstep's Triton kernels can run on tensors of `device`, else
+    why not. CPU tensors: only in Triton's interpreter (TRITON_INTERPRET=1
+    set before the kernels are imported); cuda/xpu/npu tensors: triton
+    importable, a driver for the device active, the interpreter off."""
+    kind = device.type
+    kernels = sys.modules.get("leanstep.backends.triton_common")
+    if kind == "cpu":
+        if not _interpret_requested():
+            return "TRITON_INTERPRET=1 is not set"
+        if kernels is not None and not kernels.INTERPRETED:
+            return "leanstep's Triton kernels were imported without TRITON_INTERPRET=1"
+        try:
+            import triton  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any import failure is a reason
+            return f"triton is not importable ({type(e).__name__}: {e})"
+        return None
+    if kind not in TRITON_TARGETS:
+        return f"Triton kernels do not run {kind} tensors"
+    if _interpret_requested() or (kernels is not None and kernels.INTERPRETED):
+        return "TRITON_INTERPRET is set: the interpreter runs CPU tensors only"
+    if kind not in _triton_drivers:
+        why = None
+        try:
+            from triton.runtime import driver
+
+            target = driver.active.get_current_target().backend
+            if target not in TRITON_TARGETS[kind]:
+                why = f"the active Triton driver is for {target}, not {kind}"
+        except Exception as e:  # noqa: BLE001 - no triton, no driver, no device
+            why = f"no active Triton driver ({type(e).__name__}: {e})"
+        _triton_drivers[kind] = why
+    return _triton_drivers[kind]
+
+
+def choose(tensors, backend, where, names=None, *, triton=False):
     """The backend for a call over `tensors`: "cpu" for plain CPU tensors,
-    "torch" for any other device; `backend` forces one ("cpu" refuses
-    non-CPU tensors)."""
+    "triton" for cuda/xpu/npu tensors when the op has Triton kernels
+    (``triton=True``) and Triton runs there, "torch" for any other device;
+    `backend` forces one ("cpu" refuses non-CPU tensors)."""
+    return choose_with_reason(tensors, backend, where, names, triton=triton)[0]
+
+
+def choose_with_reason(tensors, backend, where, names=None, *, triton=False):
+    """(:func:`choose`'s backend, why it was chosen)."""
     if backend is not None and backend not in BACKENDS:
         raise Error(f"{where}: argument 'backend' must be one of {', '.join(BACKENDS)} or None "
                     f"(got {backend!r})")
     torch = _torch()
     if torch is None:
-        if backend == "torch":
-            raise Error(f"{where}: backend='torch' needs torch tensors")
-        return "cpu"
+        if backend in ("torch", "triton"):
+            raise Error(f"{where}: backend='{backend}' needs torch tensors")
+        return "cpu", "no torch tensors: the C++ kernels"
     device = device_of([t if isinstance(t, torch.Tensor) else None for t in tensors], where, names)
     on_cpu = device is None or device.type == "cpu"
+    if backend == "triton":
+        if not triton:
+            raise Error(f"{where}: argument 'backend' is 'triton', but this op has no Triton "
+                        f"kernels (use 'torch' or None)")
+        why = triton_unusable(device if device is not None else torch.device("cpu"))
+        if why is not None and on_cpu:
+            raise Error(f"{where}: argument 'backend' is 'triton' for CPU tensors, which run only "
+                        f"in Triton's interpreter: set TRITON_INTERPRET=1 before triton is "
+                        f"imported ({why})")
+        if why is not None:
+            raise Error(f"{where}: argument 'backend' is 'triton', but Triton cannot run the "
+                        f"{device.type} tensors here: {why}")
+        return "triton", ("forced, Triton interpreter" if on_cpu else "forced")
     if backend is None:
-        return "cpu" if on_cpu else "torch"
+        if on_cpu:
+            return "cpu", "CPU tensors"
+        if not triton:
+            return "torch", f"{device.type} tensors; the op has no Triton kernels"
+        why = triton_unusable(device)
+        if why is None:
+            return "triton", f"{device.type} tensors, Triton driver active"
+        return "torch", f"{device.type} tensors; Triton: {why}"
     if backend == "cpu" and not on_cpu:
         raise Error(f"{where}: backend='cpu' needs CPU tensors (got {device}); the device "
                     f"backend is backend='torch'")
-    return backend
+    return backend, "forced"
 
 
-def record(op, backend, device_type):
+def record(op, backend, device_type, reason=None):
+    """Counts one routed call; `reason` (why that backend ran) is kept too."""
     with _lock:
         _calls[(op, backend, device_type)] += 1
+        if reason is not None:
+            _reasons[(op, backend, device_type, reason)] += 1
+
+
+def reasons():
+    """``{op: {backend: {device_type: {reason: count}}}}`` of the recorded reasons."""
+    out = {}
+    with _lock:
+        items = sorted(_reasons.items())
+    for (op, backend, device, reason), n in items:
+        out.setdefault(op, {}).setdefault(backend, {}).setdefault(device, {})[reason] = n
+    return out
 
 
 def calls():
@@ -106,3 +197,4 @@ def calls():
 def reset_calls():
     with _lock:
         _calls.clear()
+        _reasons.clear()

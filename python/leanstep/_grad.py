@@ -52,8 +52,10 @@ class GradPlan:
 
     ``backend``: ``None`` chooses from the grads' device (CPU tensors: the C++
     kernels; any other torch device: the torch-op backend, which never reads
-    a device value on the host); ``"torch"`` forces the torch-op backend on
-    CPU tensors (tests, benchmarks)."""
+    a device value on the host; on cuda, xpu and npu the Triton kernels when
+    Triton runs there); ``"torch"`` forces the torch-op backend on CPU
+    tensors (tests, benchmarks); ``"triton"`` forces the Triton kernels (CPU
+    tensors: under TRITON_INTERPRET=1, tests)."""
 
     def __init__(self, grads, buffers=(), *, like=None, backend=None):
         torch = torch_module()
@@ -62,17 +64,23 @@ class GradPlan:
         self._grads = [view(g) for g in grads]
         self._buffers = [view(b) for b in buffers]
         self._like = self._grads[0] if self._grads else like
-        self.backend = _backend.choose(self._grads + self._buffers, backend, "GradPlan",
-                                       [f"grads[{i}]" for i in range(len(self._grads))]
-                                       + [f"buffers[{i}]" for i in range(len(self._buffers))])
+        self.backend, self._reason = _backend.choose_with_reason(
+            self._grads + self._buffers, backend, "GradPlan",
+            [f"grads[{i}]" for i in range(len(self._grads))]
+            + [f"buffers[{i}]" for i in range(len(self._buffers))], triton=True)
         self._device = None
-        if self.backend == "torch":
+        if self.backend in ("torch", "triton"):
             from .backends.torch_grad import TorchGradPlan
 
             device = self._grads[0].device if self._grads else (
                 like.device if is_torch(like) else torch.device("cpu"))
             self._device = device
-            self._torch_plan = TorchGradPlan(self._grads, device)
+            if self.backend == "triton":
+                from .backends.triton_grad import TritonGradPlan
+
+                self._torch_plan = TritonGradPlan(self._grads, device)
+            else:
+                self._torch_plan = TorchGradPlan(self._grads, device)
             self._core = self._torch_plan.core
         else:
             self._core = _leanstep.GradPlanCore(self._grads, self._buffers)
@@ -110,12 +118,16 @@ class GradPlan:
             raise Error(f"GradPlan.{op}: a grad was re-pointed or resized since the plan was "
                         f"built (set_, resize_ or a resized storage); build a new GradPlan")
 
-    def _record(self, op):
-        _backend.record(f"grad.{op}", self.backend,
-                        self._device.type if self._device is not None else "cpu")
+    def _record(self, op, norm_type=None):
+        backend, reason = self.backend, self._reason
+        if backend == "triton":  # the Triton plan says what runs the op
+            backend, detail = self._torch_plan.route(op, norm_type)
+            reason = f"{reason}; {detail}"
+        _backend.record(f"grad.{op}", backend,
+                        self._device.type if self._device is not None else "cpu", reason)
 
     def _new_scalar(self, dtype):
-        if self.backend == "torch":
+        if self.backend != "cpu":
             return self._torch_plan.scalar(getattr(torch_module(), dtype))
         return _scalar(dtype, self._like)
 
@@ -133,6 +145,11 @@ class GradPlan:
             raise Error(f"GradPlan.norm: argument 'norm_type' must be > 0 or inf (got {norm_type})")
         if isinstance(inv_scale, numbers.Real) and not math.isfinite(float(inv_scale)):
             raise Error(f"GradPlan.norm: argument 'inv_scale' must be finite (got {inv_scale})")
+        if self.backend == "triton":  # a new found_inf is assigned by the kernel: no zero fill
+            self._record("unscale_norm" if inv_scale is not None else "norm", norm_type)
+            return self._torch_plan.norm(norm_type, None if out is None else view(out),
+                                         None if found_inf is None else view(found_inf),
+                                         None if inv_scale is None else _maybe_view(inv_scale))
         found_inf = self._new_scalar("float32") if found_inf is None else view(found_inf)
         self._record("unscale_norm" if inv_scale is not None else "norm")
         if self.backend == "torch":
@@ -155,7 +172,7 @@ class GradPlan:
         self._check_current("unscale_")
         found_inf = self._new_scalar("float32") if found_inf is None else view(found_inf)
         self._record("unscale")
-        if self.backend == "torch":
+        if self.backend in ("torch", "triton"):
             self._torch_plan.unscale(_maybe_view(inv_scale), found_inf)
             return found_inf
         scratch = self._new_scalar("float32")  # the same pass yields the norm; unused here
@@ -172,7 +189,7 @@ class GradPlan:
         coefficient (1-element fp32)."""
         self._check_current("clip_")
         self._record("clip")
-        if self.backend == "torch":
+        if self.backend in ("torch", "triton"):
             _check_max_norm(max_norm)
             return self._torch_plan.clip(_maybe_view(norm), float(max_norm),
                                          None if coeff_out is None else view(coeff_out))
@@ -182,7 +199,7 @@ class GradPlan:
 
     def norm_clip_(self, max_norm, norm_type=2.0):
         """norm then clip in place, the usual step: returns ``(norm, found_inf, coeff)``."""
-        if self.backend == "torch":
+        if self.backend in ("torch", "triton"):
             _check_max_norm(max_norm)
             out, found_inf = self.norm(norm_type)
             return out, found_inf, self.clip_(max_norm, out)
@@ -198,7 +215,7 @@ class GradPlan:
         """Every grad ``*= scale`` in place (fp32 math, one rounding)."""
         self._check_current("scale_")
         self._record("scale")
-        if self.backend == "torch":
+        if self.backend in ("torch", "triton"):
             self._torch_plan.scale(_maybe_view(scale))
             return
         self._core.scale(_as_scalar_array(scale, self._like, "scale"))
@@ -207,7 +224,7 @@ class GradPlan:
         """Sum over the grads of (numel - count_nonzero), a 1-element int64 array."""
         self._check_current("count_zeros")
         self._record("count_zeros")
-        if self.backend == "torch":
+        if self.backend in ("torch", "triton"):
             return self._torch_plan.count_zeros(None if out is None else view(out))
         out = self._new_scalar("int64") if out is None else view(out)
         self._core.count_zeros(out)
@@ -246,10 +263,11 @@ def multi_tensor_scale(src_list, dst_list, scale, *, found_inf=None, backend=Non
         raise Error(f"multi_tensor_scale: arguments 'src_list' and 'dst_list' must have the same "
                     f"length (got {len(src)} and {len(dst)})")
     like = src[0] if src else (dst[0] if dst else None)
-    chosen = _backend.choose(src + dst, backend, "multi_tensor_scale",
-                             [f"src_list[{i}]" for i in range(len(src))]
-                             + [f"dst_list[{i}]" for i in range(len(dst))])
-    if chosen == "torch":
+    chosen, reason = _backend.choose_with_reason(src + dst, backend, "multi_tensor_scale",
+                                                 [f"src_list[{i}]" for i in range(len(src))]
+                                                 + [f"dst_list[{i}]" for i in range(len(dst))],
+                                                 triton=True)
+    if chosen in ("torch", "triton"):
         from .backends import torch_grad
 
         torch = torch_module()
@@ -260,7 +278,14 @@ def multi_tensor_scale(src_list, dst_list, scale, *, found_inf=None, backend=Non
                             f"src_list[{i}] (got {list(d.shape)} and {list(s.shape)})")
         found_inf = torch.zeros(1, dtype=torch.float32, device=device) if found_inf is None \
             else view(found_inf)
-        _backend.record("grad.multi_tensor_scale", "torch", device.type)
+        if chosen == "triton":  # one launch, or the torch-op code with the reason why
+            from .backends import triton_grad
+
+            why = triton_grad.multi_tensor_scale(src, dst, _maybe_view(scale), found_inf, device)
+            _backend.record("grad.multi_tensor_scale", "torch" if why else "triton", device.type,
+                            f"{reason}; {why}" if why else reason)
+            return found_inf
+        _backend.record("grad.multi_tensor_scale", "torch", device.type, reason)
         torch_grad.multi_tensor_scale(src, dst, _maybe_view(scale), found_inf, device)
         return found_inf
     found_inf = _scalar("float32", like) if found_inf is None else view(found_inf)

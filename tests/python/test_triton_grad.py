@@ -1,0 +1,525 @@
+"""The gradient engine's Triton kernels, run on CPU tensors by Triton's
+interpreter (backend="triton"), against the C++ path and a float64 oracle.
+
+Bitwise (NaN compared as NaN, every other bit exact, signed zeros
+included): clip and its coefficient, scale, unscale (the values written),
+multi_tensor_scale, count_zeros, found_inf. Bounded: the norms, each within
+2 fp32 ulp of the float64 oracle (fp64 accumulation, one rounding to fp32,
+as the C++ path, whose own result is within the same bound), so the two
+paths are within 4 ulp of each other. Launches are counted with a hook on
+Triton's launcher, host syncs with leanstep.audit().
+
+Triton's interpreter needs TRITON_INTERPRET=1 before triton is first
+imported (its own library is decorated then). When this module is imported
+first, it sets the variable only around that import (and for its own tests):
+other modules never see it. When triton was already imported for a device
+(megatron-core imports it, and pytest imports every module before running
+any), these tests run in a fresh process instead, with the variable set, as
+one test here (the same seed).
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import leanstep
+from leanstep import _backend
+from leanstep._grad import ddp_grad_buffers
+
+
+def _triton_state():
+    """How this process imported triton: "absent", "interpreted" or "compiled"."""
+    if "triton" not in sys.modules:
+        return "absent"
+    try:
+        import triton.language.standard as standard
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return "interpreted" if isinstance(standard.zeros, InterpretedFunction) else "compiled"
+    except Exception:  # noqa: BLE001
+        return "compiled"
+
+
+IN_PROCESS = _triton_state() != "compiled"
+triton_common = triton_grad = None
+if IN_PROCESS:
+    _PREVIOUS = os.environ.get("TRITON_INTERPRET")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        triton = pytest.importorskip("triton")
+        from leanstep.backends import triton_common, triton_grad
+    finally:
+        if _PREVIOUS is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = _PREVIOUS
+    IN_PROCESS = triton_common.INTERPRETED
+else:
+    pytest.importorskip("triton")
+
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(request, monkeypatch):
+    if request.node.name == "test_in_a_fresh_interpreter_process":
+        return
+    if not IN_PROCESS:
+        pytest.skip("triton was imported for a device: "
+                    "test_in_a_fresh_interpreter_process runs this module")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_in_a_fresh_interpreter_process():
+    if IN_PROCESS:
+        pytest.skip("the tests run in this process")
+    try:
+        from conftest import SEED
+    except ImportError:
+        SEED = os.environ.get("LEANSTEP_TEST_SEED", "0")
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(leanstep.__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", LEANSTEP_TEST_SEED=str(SEED))
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    print(run.stdout.strip().splitlines()[-1])
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+U32 = 2.0**-24
+INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def assert_bitwise(actual, expected):
+    """Every element the same bits, NaN matched as NaN (payloads may differ)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    an, en = actual.isnan(), expected.isnan()
+    assert torch.equal(an, en), f"NaN at different places: {an.sum()} vs {en.sum()}"
+    ia = actual.contiguous().view(INT_VIEW[actual.element_size()])
+    ie = expected.contiguous().view(INT_VIEW[actual.element_size()])
+    bad = (ia != ie) & ~an
+    if bad.any():
+        i = int(bad.nonzero()[0, 0])
+        raise AssertionError(f"{int(bad.sum())} of {actual.numel()} elements differ: first at "
+                             f"{i}: {actual.view(-1)[i]!r} vs {expected.view(-1)[i]!r}")
+
+
+def oracle_norm(views, p):
+    vals = [v.detach().to(torch.float64).reshape(-1).numpy() for v in views]
+    flat = np.concatenate(vals) if vals else np.zeros(0)
+    if p == math.inf:
+        return float(np.abs(flat).max()) if flat.size else 0.0
+    return float((np.abs(flat) ** p).sum() ** (1.0 / p))
+
+
+def tiny_regions(gen, dtype, count=60, end=4999):
+    """Many tiny views of odd sizes with unlisted gaps (each its own region),
+    one long run of odd length (several chunks), and a second storage."""
+    buf = (torch.randn(end + 1, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    views, at = [], 0
+    for k in range(count):
+        size = 1 + (k * 7) % 13
+        views.append(buf[at:at + size])
+        at += size + 1 + k % 3
+    views.append(buf[at:end])
+    other = (torch.randn(777, generator=gen, dtype=torch.float64)).to(dtype)
+    views.append(other[5:])
+    return [buf, other], views
+
+
+def aliased(gen, dtype):
+    """Duplicates, an overlap, a strided view and an empty view: the entries
+    the table does not take (the torch-op code runs them)."""
+    buf = (torch.randn(900, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    views = [buf[0:100], buf[103:250], buf[250:333]]
+    views.append(views[1])                     # multiplicity 2
+    views.append(buf[300:320])                 # overlaps: multiplicity 2 there
+    views.append(buf[400:448].view(6, 8).t())  # strided: generic
+    views.append(buf[500:500])                 # empty
+    views.append(buf[600:877])
+    return [buf], views
+
+
+def mixed(gen):
+    """Every dtype in one plan, in separate storages: one launch per op."""
+    bufs, views = [], []
+    for i, dtype in enumerate(DTYPES):
+        b = (torch.randn(1000 + 37 * i, generator=gen, dtype=torch.float64) * 2).to(dtype)
+        bufs.append(b)
+        views += [b[:300], b[301:1000]]
+    return bufs, views
+
+
+LAYOUTS = {"tiny": tiny_regions, "aliased": aliased}
+
+
+def clone_layout(bufs, views):
+    copies = {b.untyped_storage()._cdata: b.clone() for b in bufs}
+    out = []
+    for v in views:
+        c = copies[v.untyped_storage()._cdata]
+        out.append(c.as_strided(v.shape, v.stride(), v.storage_offset()))
+    return list(copies.values()), out
+
+
+def small_plan(views, **knobs):
+    """A Triton plan with small chunks, so short lists span several chunks."""
+    plan = leanstep.GradPlan(views, backend="triton")
+    if knobs:
+        plan._torch_plan = triton_grad.TritonGradPlan(plan.grads, torch.device("cpu"), **knobs)
+    return plan
+
+
+# ---------------------------------------------------------------- norms and found_inf
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("p", [2.0, math.inf, 1.0])
+def test_norm_matches_cpu_path_and_oracle(dtype, layout, p, torch_gen):
+    bufs, views = LAYOUTS[layout](torch_gen, dtype)
+    cpu_norm, cpu_flag = leanstep.GradPlan(views).norm(p)
+    plan = small_plan(views, chunk=1024, block=256)
+    assert plan.backend == "triton"
+    norm, flag = plan.norm(p)
+    exact = oracle_norm(views, p)
+    assert abs(norm.item() - exact) <= 2 * U32 * exact, (norm.item(), exact)
+    assert abs(cpu_norm.item() - exact) <= 2 * U32 * exact
+    assert flag.item() == cpu_flag.item() == 0.0
+    assert plan.num_regions == leanstep.GradPlan(views).num_regions
+    tp = plan._torch_plan
+    assert (tp.fallback is None) == (layout == "tiny")
+
+
+def test_mixed_dtypes_in_one_launch(torch_gen):
+    bufs, views = mixed(torch_gen)
+    plan = leanstep.GradPlan(views, backend="triton")
+    with triton_common.count_launches() as launches:
+        norm, flag = plan.norm()
+    assert dict(launches) == {"_reduce_kernel": 1, "_finish_kernel": 1}
+    exact = oracle_norm(views, 2.0)
+    assert abs(norm.item() - exact) <= 2 * U32 * exact
+    bufs2, views2 = clone_layout(bufs, views)
+    coeff = plan.clip_(0.25, norm)
+    coeff_cpu = leanstep.GradPlan(views2).clip_(0.25, norm.clone())
+    assert_bitwise(coeff, coeff_cpu)
+    for a, b in zip(bufs, bufs2):
+        assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("bad", [-math.inf, math.nan])
+def test_found_inf_and_nan_propagation(dtype, where, bad, torch_gen):
+    bufs, views = tiny_regions(torch_gen, dtype, count=8, end=1200)
+    target = {"first": views[0], "middle": views[len(views) // 2], "last": views[-1]}[where]
+    target.view(-1)[{"first": 0, "middle": target.numel() // 2, "last": -1}[where]] = bad
+    plan = small_plan(views, chunk=512, block=128)
+    for p in (2.0, math.inf):
+        norm, flag = plan.norm(p)
+        cpu_norm, cpu_flag = leanstep.GradPlan(views).norm(p)
+        assert flag.item() == cpu_flag.item() == 1.0
+        if math.isnan(bad):
+            assert math.isnan(norm.item()) and math.isnan(cpu_norm.item())
+        else:
+            assert norm.item() == cpu_norm.item() == math.inf
+
+
+def test_found_inf_is_ored_into_and_large_values_are_finite():
+    g = torch.full((64,), 65504.0, dtype=torch.float16)  # fp16 max: its square needs fp64
+    flag = torch.zeros(1)
+    plan = leanstep.GradPlan([g], backend="triton")
+    norm, out_flag = plan.norm(2.0, found_inf=flag)
+    assert out_flag is flag and flag.item() == 0.0
+    assert norm.item() == pytest.approx(65504.0 * 8, rel=U32)
+    flag.fill_(1.0)
+    plan.norm(2.0, found_inf=flag)
+    assert flag.item() == 1.0  # never reset
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("inv_scale", [0.5, "tensor", 1.0, 3.0e4])
+def test_unscale_norm_is_bitwise_the_cpu_path(dtype, layout, inv_scale, torch_gen):
+    bufs, views = LAYOUTS[layout](torch_gen, dtype)
+    views[0].view(-1)[0] = math.inf  # flagged from the input, before unscaling
+    if layout == "tiny":
+        views[-1].view(-1)[-1] = math.nan
+    bufs2, views2 = clone_layout(bufs, views)
+    inv = torch.tensor([0.125]) if inv_scale == "tensor" else inv_scale
+    norm, flag = small_plan(views, chunk=1024, block=256).norm(2.0, inv_scale=inv)
+    cpu_norm, cpu_flag = leanstep.GradPlan(views2).norm(
+        2.0, inv_scale=inv.clone() if isinstance(inv, torch.Tensor) else inv)
+    for a, b in zip(bufs, bufs2):
+        assert_bitwise(a, b)  # 3e4 overflows fp16 and bf16 values to inf, as on the CPU
+    assert flag.item() == cpu_flag.item() == 1.0
+    assert_bitwise(norm, cpu_norm)  # inf or NaN here
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_unscale_norm_finite_bound_and_unscale_alone(dtype, torch_gen):
+    bufs, views = tiny_regions(torch_gen, dtype, count=20)
+    bufs2, views2 = clone_layout(bufs, views)
+    bufs3, views3 = clone_layout(bufs, views)
+    norm, flag = leanstep.GradPlan(views, backend="triton").norm(2.0, inv_scale=0.37)
+    cpu_norm, _ = leanstep.GradPlan(views2).norm(2.0, inv_scale=0.37)
+    exact = oracle_norm(views2, 2.0)  # of the unscaled values
+    assert abs(norm.item() - exact) <= 2 * U32 * exact
+    assert abs(cpu_norm.item() - exact) <= 2 * U32 * exact
+    assert flag.item() == 0.0
+    plan = leanstep.GradPlan(views3, backend="triton")
+    with triton_common.count_launches() as launches:
+        flag3 = plan.unscale_(torch.tensor([0.37]), found_inf=torch.zeros(1))
+    assert sum(launches.values()) == 1 and flag3.item() == 0.0
+    for a, b in zip(bufs3, bufs2):
+        assert_bitwise(a, b)
+
+
+# ---------------------------------------------------------------- clip, scale, count_zeros
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("max_norm", [0.05, 1.0, 1e30])
+def test_clip_is_bitwise_the_cpu_path(dtype, layout, max_norm, torch_gen):
+    bufs, views = LAYOUTS[layout](torch_gen, dtype)
+    bufs2, views2 = clone_layout(bufs, views)
+    norm = leanstep.GradPlan(views).norm()[0]
+    plan = small_plan(views, chunk=1024, block=256)
+    with triton_common.count_launches() as launches:
+        coeff = plan.clip_(max_norm, norm.clone())
+    assert dict(launches) == {"_scale_kernel": 1}
+    coeff_cpu = leanstep.GradPlan(views2).clip_(max_norm, norm.clone())
+    assert_bitwise(coeff, coeff_cpu)
+    for a, b in zip(bufs, bufs2):
+        assert_bitwise(a, b)  # duplicated elements scaled twice on both paths
+    # A norm given as a number: the same fp32 rounding of it.
+    coeff = plan.clip_(max_norm, float(norm) * 3)
+    coeff_cpu = leanstep.GradPlan(views2).clip_(max_norm, float(norm) * 3)
+    assert_bitwise(coeff, coeff_cpu)
+    for a, b in zip(bufs, bufs2):
+        assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("bad_norm", [math.nan, math.inf, 0.0])
+def test_clip_special_norms(bad_norm, torch_gen):
+    bufs, views = tiny_regions(torch_gen, torch.bfloat16, count=5, end=900)
+    bufs2, views2 = clone_layout(bufs, views)
+    coeff = leanstep.GradPlan(views, backend="triton").clip_(1.0, torch.tensor([bad_norm]))
+    coeff_cpu = leanstep.GradPlan(views2).clip_(1.0, torch.tensor([bad_norm]))
+    assert_bitwise(coeff, coeff_cpu)  # NaN stays NaN (never silently 1), inf gives 0
+    for a, b in zip(bufs, bufs2):
+        assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [0.3, "tensor", 7.0e4])
+def test_scale_is_bitwise_the_cpu_path(dtype, scale, torch_gen):
+    bufs, views = aliased(torch_gen, dtype)
+    bufs2, views2 = clone_layout(bufs, views)
+    value = torch.tensor([1.7]) if scale == "tensor" else scale
+    small_plan(views, chunk=128, block=64).scale_(value)
+    leanstep.GradPlan(views2).scale_(value.clone() if scale == "tensor" else value)
+    for a, b in zip(bufs, bufs2):
+        assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_count_zeros_is_exact(dtype, layout, torch_gen):
+    bufs, views = LAYOUTS[layout](torch_gen, dtype)
+    for b in bufs:
+        b[::3] = 0.0
+        b[1::7] = -0.0
+    plan = small_plan(views, chunk=1024, block=256)
+    with triton_common.count_launches() as launches:
+        zeros = plan.count_zeros()
+    assert sum(launches.values()) == 2
+    expected = leanstep.GradPlan(views).count_zeros()
+    assert zeros.dtype == torch.int64 and zeros.shape == (1,)
+    assert zeros.item() == expected.item() > 0
+
+
+# ---------------------------------------------------------------- determinism, empty lists
+
+
+def test_same_bits_for_any_grid_size(torch_gen):
+    bufs, views = tiny_regions(torch_gen, torch.float32, count=30)
+    results = []
+    for programs in (1, 3, 1000):
+        plan = small_plan(views, chunk=512, block=128, max_programs=programs)
+        results.append(torch.cat([plan.norm(p)[0] for p in (2.0, 1.0, math.inf)]))
+    assert_bitwise(results[0], results[1])
+    assert_bitwise(results[0], results[2])
+
+
+def test_empty_lists():
+    empty = leanstep.GradPlan([], backend="triton", like=torch.zeros(1))
+    norm, flag = empty.norm()
+    assert norm.item() == 0.0 and flag.item() == 0.0
+    assert empty.count_zeros().item() == 0
+    coeff = empty.clip_(1.0, torch.tensor([4.0]))
+    assert coeff.item() == pytest.approx(0.25)
+    only_empty = leanstep.GradPlan([torch.zeros(0), torch.zeros(3)[3:]], backend="triton")
+    assert only_empty.norm(math.inf)[0].item() == 0.0
+    flag = leanstep.multi_tensor_scale([], [], 2.0, backend="triton")
+    assert flag.item() == 0.0
+
+
+# ---------------------------------------------------------------- multi_tensor_scale
+
+
+def mts_pairs(gen):
+    pairs = []
+    for i, (sd, dd) in enumerate([(torch.float32, torch.float16), (torch.float16, torch.float32),
+                                  (torch.bfloat16, torch.bfloat16), (torch.float64, torch.bfloat16),
+                                  (torch.float32, torch.float64), (torch.float32, torch.float32)]):
+        n = 37 + 211 * i
+        src = (torch.randn(n, generator=gen, dtype=torch.float64) * 50).to(sd)
+        pairs.append((src, torch.empty(n, dtype=dd)))
+    big = torch.full((33,), 1.0e5)  # 1e5 * 0.01 into fp16: 1000, no fp16 intermediate
+    pairs.append((big, torch.empty(33, dtype=torch.float16)))
+    inplace = (torch.randn(301, generator=gen) * 3).to(torch.bfloat16)
+    pairs.append((inplace, inplace))
+    return pairs
+
+
+@pytest.mark.parametrize("scale", [0.01, "tensor"])
+@pytest.mark.parametrize("where", [None, "first", "middle", "last"])
+def test_multi_tensor_scale_is_bitwise_the_cpu_path(scale, where, torch_gen):
+    pairs = mts_pairs(torch_gen)
+    if where is not None:
+        src = {"first": pairs[0][0], "middle": pairs[3][0], "last": pairs[-1][0]}[where]
+        src.view(-1)[{"first": 0, "middle": src.numel() // 2, "last": -1}[where]] = math.nan
+    ref = [(s.clone(), d.clone() if d is not s else None) for s, d in pairs]
+    ref = [(s, s if d is None else d) for s, d in ref]
+    value = torch.tensor([0.01]) if scale == "tensor" else scale
+    with triton_common.count_launches() as launches:
+        flag = leanstep.multi_tensor_scale([s for s, _ in pairs], [d for _, d in pairs], value,
+                                           backend="triton")
+    assert dict(launches) == {"_mts_kernel": 1}
+    cpu_flag = leanstep.multi_tensor_scale([s for s, _ in ref], [d for _, d in ref],
+                                           value.clone() if scale == "tensor" else value)
+    assert flag.item() == cpu_flag.item() == (0.0 if where is None else 1.0)
+    for (s, d), (rs, rd) in zip(pairs, ref):
+        assert_bitwise(d, rd)
+        assert_bitwise(s, rs)
+    assert torch.all(pairs[6][1] == 1000.0)
+
+
+def test_multi_tensor_scale_fp16_overflow_and_sharing_pairs(torch_gen):
+    src = torch.tensor([6.0e4, -6.0e4, 1.0, 65504.0], dtype=torch.float32)
+    out = torch.empty(4, dtype=torch.float16)
+    out_cpu = torch.empty(4, dtype=torch.float16)
+    flag = leanstep.multi_tensor_scale([src], [out], 2.0, backend="triton")
+    leanstep.multi_tensor_scale([src], [out_cpu], 2.0)
+    assert_bitwise(out, out_cpu)
+    assert flag.item() == 0.0 and torch.isinf(out[:2]).all()  # overflow of the product is no flag
+    # Pairs that share memory run in list order through the torch-op code; recorded as such.
+    _backend.reset_calls()
+    for cut in ((0, 16, 16, 32, 32, 48), (0, 32, 16, 48, 32, 64)):  # sharing; self-overlapping
+        a, b, c, d, e, f = cut
+        buf = torch.randn(64, generator=torch_gen)
+        buf2 = buf.clone()
+        leanstep.multi_tensor_scale([buf[a:b], buf[c:d]], [buf[c:d], buf[e:f]], 0.5,
+                                    backend="triton")
+        leanstep.multi_tensor_scale([buf2[a:b], buf2[c:d]], [buf2[c:d], buf2[e:f]], 0.5)
+        assert_bitwise(buf, buf2)
+    why = _backend.reasons()["grad.multi_tensor_scale"]["torch"]["cpu"]
+    assert any("share memory" in r for r in why), why
+    assert any("partially overlap" in r for r in why), why
+
+
+# ---------------------------------------------------------------- budget, selection, report
+
+
+def test_lora_layout_norm_clip_launch_and_sync_budget(monkeypatch):
+    """norm + clip of the Qwen3-Omni LoRA EP-rank layout (3168 grads, 2 flat
+    buffers): at most 4 launches and 0 host syncs. The launch count does not
+    depend on the chunking; large chunks keep the interpreter quick."""
+    monkeypatch.setattr(triton_grad, "INTERPRETER_CHUNK", 1 << 20)
+    monkeypatch.setattr(triton_grad, "INTERPRETER_BLOCK", 1 << 16)
+    params = leanstep.model_params("qwen3_omni_lora")
+    bufs, grads, _ = ddp_grad_buffers(params, distributed_optimizer=True, dp_size=8)
+    assert len(grads) == 3168
+    gen = torch.Generator().manual_seed(7)
+    for b in bufs:
+        b.normal_(generator=gen).mul_(1e-3)
+    cpu_norm = leanstep.GradPlan(grads).norm()[0]
+    plan = leanstep.GradPlan(grads, backend="triton")
+    with leanstep.audit() as audit, triton_common.count_launches() as launches:
+        norm, flag, coeff = plan.norm_clip_(1.0)
+    assert sum(launches.values()) <= 4, dict(launches)
+    assert dict(launches) == {"_reduce_kernel": 1, "_finish_kernel": 1, "_scale_kernel": 1}
+    assert audit.num_syncs == 0 and audit.num_host_reads == 0, audit.format_table()
+    # The only aten ops on a device would be the three result allocations (no kernels).
+    assert abs(norm.item() - cpu_norm.item()) <= 4 * U32 * cpu_norm.item()
+    assert flag.item() == 0.0 and 0.0 < coeff.item() < 1.0
+
+
+def test_launch_counts_do_not_depend_on_the_layout(torch_gen):
+    for layout in (tiny_regions, aliased):
+        bufs, views = layout(torch_gen, torch.float32)
+        plan = leanstep.GradPlan(views, backend="triton")
+        with triton_common.count_launches() as launches:
+            norm, flag = plan.norm()
+        assert launches["_reduce_kernel"] == 1 and launches["_finish_kernel"] == 1
+
+
+def test_errors_name_the_argument(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(leanstep.Error, match=r"GradPlan: argument 'backend' is 'triton' for CPU "
+                                             r"tensors.*set TRITON_INTERPRET=1"):
+        leanstep.GradPlan([torch.zeros(4)], backend="triton")
+    with pytest.raises(leanstep.Error, match=r"multi_tensor_scale: argument 'backend'.*"
+                                             r"TRITON_INTERPRET=1"):
+        leanstep.multi_tensor_scale([torch.zeros(4)], [torch.zeros(4)], 1.0, backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(leanstep.Error, match=r"argument 'backend' must be one of cpu, torch, "
+                                             r"triton or None"):
+        leanstep.GradPlan([torch.zeros(4)], backend="cuda")
+    with pytest.raises(leanstep.Error, match="argument 'backend' is 'triton', but Triton cannot "
+                                             "run the meta tensors"):
+        leanstep.GradPlan([torch.zeros(4, device="meta")], backend="triton")
+
+
+def test_automatic_selection_and_report(torch_gen):
+    cpu = torch.zeros(4)
+    assert _backend.choose_with_reason([cpu], None, "t", triton=True) == ("cpu", "CPU tensors")
+    chosen, why = _backend.choose_with_reason([torch.zeros(4, device="meta")], None, "t",
+                                              triton=True)
+    assert chosen == "torch" and "Triton kernels do not run meta tensors" in why
+    # No GPU here: a cuda tensor cannot exist, but the decision says why not.
+    assert _backend.triton_unusable(torch.device("cuda")) is not None
+    assert leanstep.GradPlan([cpu]).backend == "cpu"
+    _backend.reset_calls()
+    bufs, views = aliased(torch_gen, torch.float32)
+    plan = leanstep.GradPlan(views, backend="triton")
+    plan.norm(2.0)
+    plan.norm(1.5)  # no kernel for this p: the torch-op code, recorded so
+    calls = _backend.calls()
+    assert calls["grad.norm"]["triton"]["cpu"] == 1 and calls["grad.norm"]["torch"]["cpu"] == 1
+    reasons = _backend.reasons()["grad.norm"]
+    (triton_reason,) = reasons["triton"]["cpu"]
+    assert "forced, Triton interpreter" in triton_reason and "by the torch-op code" in triton_reason
+    assert "grad.norm" in leanstep.paths()["ops"]
+
+
+def test_import_leanstep_does_not_import_triton():
+    code = ("import sys, torch, leanstep, leanstep.torch\n"
+            "plan = leanstep.GradPlan([torch.ones(3)])\n"
+            "plan.norm_clip_(1.0)\n"
+            "leanstep.multi_tensor_scale([torch.ones(3)], [torch.ones(3)], 2.0)\n"
+            "assert 'triton' not in sys.modules, 'triton imported'\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(leanstep.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
