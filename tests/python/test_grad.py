@@ -53,12 +53,12 @@ def test_plan_coalesces_a_megatron_buffer(torch_gen):
 @pytest.mark.parametrize("p", [2.0, math.inf, 1.0, 3.0])
 def test_norm_matches_float64_oracle(dtype, p, torch_gen):
     buffers, grads, _ = flat_grads(dtype, torch_gen)
-    buffers[0][buffers[0] == 0] = 0  # padding stays zero; put garbage there next
     pad = torch.ones_like(buffers[0], dtype=torch.bool)
     for g in grads:
         if g.numel():
             start = (g.data_ptr() - buffers[0].data_ptr()) // buffers[0].element_size()
             pad[start:start + g.numel()] = False
+    assert pad.any()  # the layout has padding, so the garbage below is a real check
     buffers[0][pad] = 1e4  # padding must never be read as gradient
     norm, found_inf = leanstep.GradPlan(grads).norm(norm_type=p)
     assert norm.dtype == torch.float32 and norm.shape == (1,)
@@ -91,15 +91,22 @@ def test_unscale_in_the_same_pass(dtype, torch_gen):
     _, grads, _ = flat_grads(dtype, torch_gen, scale=64.0)
     before = [g.clone() for g in grads]
     inv_scale = 1.0 / 1024
+    # The oracle is computed from copies taken BEFORE the call (the call unscales in place):
+    # cast(float(x) * inv_scale), fp32 math, one rounding, as torch does.
+    expected = [(b.float() * inv_scale).to(dtype) for b in before]
     norm, found_inf = leanstep.GradPlan(grads).norm(inv_scale=torch.tensor([inv_scale]))
-    for g, b in zip(grads, before):
-        # cast(float(x) * inv_scale): fp32 math, one rounding; torch does the same.
-        assert torch.equal(g, (b.float() * inv_scale).to(dtype))
+    for g, e in zip(grads, expected):
+        assert torch.equal(g, e)
     assert found_inf.item() == 0.0
-    assert_within_ulps(norm, np.array([oracle_norm(grads, 2.0)]), torch.float32, ulps=4)
-    # A Python number works as well.
+    assert_within_ulps(norm, np.array([oracle_norm(expected, 2.0)]), torch.float32, ulps=4)
+    # A Python number works as well: the grads are unscaled in place once more (x 2).
+    again = [(e.float() * 2.0).to(dtype) for e in expected]
     norm2, _ = leanstep.GradPlan(grads).norm(inv_scale=2.0)
-    assert_within_ulps(norm2, np.array([oracle_norm(grads, 2.0)]), torch.float32, ulps=4)
+    for g, a in zip(grads, again):
+        assert torch.equal(g, a)
+    assert_within_ulps(norm2, np.array([oracle_norm(again, 2.0)]), torch.float32, ulps=4)
+    # The norm is the norm of the unscaled values, not of the inputs.
+    assert not math.isclose(norm2.item(), oracle_norm(before, 2.0), rel_tol=0.5)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

@@ -174,7 +174,8 @@ def test_errors():
         leanstep.moe_permute(tokens, torch.ones(4, 2))  # float map
     with pytest.raises(leanstep.Error, match="method"):
         leanstep.moe_permute(tokens, torch.ones(4, 2, dtype=torch.bool), method="magic")
-    with pytest.raises(leanstep.Error):
+    with pytest.raises(leanstep.Error,
+                       match=r"sort_chunks_by_idxs: argument 'sorted_idxs' must be a permutation of 0\.\.1 \(got 0 at position 1\)"):
         leanstep.sort_chunks_by_idxs(tokens, torch.tensor([2, 2]), torch.tensor([0, 0]))
 
 

@@ -59,6 +59,40 @@ def test_forward_matches_float64_oracle(dtype, shape, zero_centered, torch_gen):
         assert_within_ulps(y, y64, dtype, ulps=1, atol=2.0**-24)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_eps_is_applied(dtype, zero_centered, torch_gen):
+    """Inputs whose mean square is comparable to eps: an implementation that ignored
+    eps (or used another value) is off by far more than the tolerance. With x ~ N(0, 1)
+    an eps of 1e-5 is below an fp16/bf16 ulp, so the other tests cannot see it."""
+    shape = (9, 67)
+    x = randn(shape, dtype, torch_gen, scale=3e-3)  # mean(x^2) ~ 1e-5
+    w = randn(shape[-1:], dtype, torch_gen, scale=0.5) + (0 if zero_centered else 1)
+    eps = 1e-5
+    y, rstd = leanstep.rms_norm(x, w, eps, zero_centered_gamma=zero_centered)
+    y64, r64 = oracle_forward(x, w, eps, zero_centered)
+    y_no_eps, r_no_eps = oracle_forward(x, w, 0.0, zero_centered)
+    assert_within_ulps(rstd, r64, torch.float32, ulps=4)
+    ulps = 40 if dtype == torch.float32 else 1
+    atol = 1e-30 if dtype == torch.float32 else 2.0**-24
+    assert_within_ulps(y, y64, dtype, ulps=ulps, atol=atol)
+    # The same check against eps = 0 must fail: eps changes rstd by a factor ~sqrt(2).
+    assert np.abs(r_no_eps / r64 - 1).min() > 0.05
+    with pytest.raises(AssertionError):
+        assert_within_ulps(y, y_no_eps, dtype, ulps=ulps, atol=atol)
+    # Backward through rstd: dx against the eps oracle, not the eps = 0 one.
+    dy = randn(shape, dtype, torch_gen)
+    dx, _ = leanstep.rms_norm_backward(dy, x, rstd, w, zero_centered_gamma=zero_centered)
+    dx64, _ = oracle_backward(dy, x, w, eps, zero_centered)
+    dx_no_eps, _ = oracle_backward(dy, x, w, 0.0, zero_centered)
+    scale_dx = np.abs(dx64).max()
+    dx_atol = (67 * UNIT_ROUNDOFF[torch.float32] * scale_dx
+               + (0 if dtype == torch.float32 else 2 * UNIT_ROUNDOFF[dtype] * scale_dx))
+    assert_within_ulps(dx, dx64, dtype, ulps=1, atol=dx_atol)
+    with pytest.raises(AssertionError):
+        assert_within_ulps(dx, dx_no_eps, dtype, ulps=1, atol=dx_atol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cast_then_scale_matches_hf_llama_composite(dtype, torch_gen):
     x = randn((9, 131), dtype, torch_gen, scale=2.0)
@@ -216,10 +250,16 @@ def test_module_forward_backward_match_torch(dtype, frozen, torch_gen):
     if frozen:
         assert ours.weight.grad is None
     else:
-        wscale = np.abs(to_f64(ref.weight.grad)).max()
-        assert_within_ulps(ours.weight.grad, to_f64(ref.weight.grad), dtype, ulps=2,
-                           atol=28 * 96 * UNIT_ROUNDOFF[torch.float32] * wscale
-                           + (0 if dtype == torch.float32 else 4 * UNIT_ROUNDOFF[dtype] * wscale))
+        # dweight[j] = sum over the 28 rows of dy * xhat: each side's fp32 sum is within
+        # (28 + 2) u32 * sum |dy * xhat| of the exact value (per element, not the global
+        # max), so the two differ by at most twice that; then one rounding each to the dtype.
+        x64 = to_f64(x).reshape(-1, 96)
+        xhat = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + ours.eps)
+        abs_sum = np.abs(to_f64(dy).reshape(-1, 96) * xhat).sum(axis=0)
+        wgrad = to_f64(ref.weight.grad)
+        assert_within_ulps(ours.weight.grad, wgrad, dtype, ulps=2,
+                           atol=2 * 30 * UNIT_ROUNDOFF[torch.float32] * abs_sum
+                           + (0 if dtype == torch.float32 else 2 * UNIT_ROUNDOFF[dtype] * np.abs(wgrad)))
 
 
 def test_module_frozen_path_skips_weight_grad_and_records_stats(torch_gen):

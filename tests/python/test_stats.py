@@ -47,7 +47,21 @@ def test_compare_runs():
 def test_crossover_analysis_runs_on_the_example():
     logs = sorted(os.path.join(LOGS, "crossover", f) for f in os.listdir(os.path.join(LOGS, "crossover")))
     result = leanstep.crossover_analysis(logs, plan=os.path.join(LOGS, "crossover_plan.json"))
-    assert result["conditions"] and result["comparisons"]
+    assert [c["condition"] for c in result["conditions"]] == ["baseline", "rmsnorm", "grad", "rmsnorm+grad"]
+    assert result["baseline"] == "baseline"
+    # The example logs were generated with known effects (rmsnorm 7%, grad 12%, both 17%;
+    # docs/stats.md): every comparison vs the baseline, then every other pair, each on
+    # the same matched positions, and each interval holding the generated effect.
+    pairs = {(c["condition"], c["versus"]): c for c in result["comparisons"]}
+    assert list(pairs) == [("rmsnorm", "baseline"), ("grad", "baseline"), ("rmsnorm+grad", "baseline"),
+                           ("grad", "rmsnorm"), ("rmsnorm+grad", "rmsnorm"), ("rmsnorm+grad", "grad")]
+    effects = {"baseline": 0.0, "rmsnorm": 0.07, "grad": 0.12, "rmsnorm+grad": 0.17}
+    for (cond, versus), c in pairs.items():
+        assert c["matched_positions"] == 92
+        assert c["ci_low"] <= c["reduction"] <= c["ci_high"]
+        expected = 1 - (1 - effects[cond]) / (1 - effects[versus])
+        assert c["ci_low"] - 0.01 <= expected <= c["ci_high"] + 0.01, (cond, versus, c, expected)
+        assert c["reduction"] == pytest.approx(expected, abs=0.02)
 
 
 def test_errors_are_leanstep_errors(tmp_path):
