@@ -15,6 +15,7 @@ from . import _leanstep
 from ._leanstep import Error, counters, data_ptr, describe, measure_bandwidth, num_threads
 from ._leanstep import read_scalar, reset_counters, set_num_threads
 from ._dispatch import format_paths, paths, preset, reset_paths, set_preset
+from ._arrays import huge_pages, set_huge_pages
 
 Error.__module__ = "leanstep"
 __version__ = _leanstep.__version__
@@ -38,6 +39,8 @@ __all__ = [
     "paths",
     "format_paths",
     "reset_paths",
+    "huge_pages",
+    "set_huge_pages",
 ]
 
 if "grad" in areas:

@@ -2,7 +2,10 @@
 and allocate results in the framework of the inputs (torch in, torch out;
 NumPy otherwise)."""
 
+import ctypes
+import os
 import sys
+import threading
 
 import numpy as np
 
@@ -53,15 +56,86 @@ def _torch_dtype(name):
     return getattr(torch, name)
 
 
+# ---------------------------------------------------------------- huge pages for fresh outputs
+
+_HUGE = 1 << 21  # 2 MiB: the x86-64 / arm64 transparent huge page
+_MADV_HUGEPAGE = 14
+_huge = {"enabled": os.environ.get("LEANSTEP_HUGE_PAGES", "0") == "1", "mode": None,
+         "madvise": None, "advised": 0}
+_huge_lock = threading.Lock()
+
+
+def _thp_mode():
+    """The kernel's transparent huge page mode ("always", "madvise", "never"),
+    read once; None where there is none (not Linux)."""
+    if _huge["mode"] is None:
+        try:
+            with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+                text = f.read()
+            _huge["mode"] = text[text.index("[") + 1:text.index("]")]
+        except (OSError, ValueError):
+            _huge["mode"] = "none"
+    return _huge["mode"]
+
+
+def set_huge_pages(enabled):
+    """Outputs leanstep allocates itself (never the caller's ``out=`` arrays)
+    are advised as transparent huge pages before the kernels first write them,
+    when they span at least 2 MiB and the kernel's THP mode is "madvise" or
+    "always": first-touch page faults of fresh 100 MB outputs then cost a
+    fraction (256 MiB touched: 38 ms against 115 ms here). Off by default:
+    where the kernel's THP defrag mode is "madvise" (as on these machines),
+    a fault in an advised block may compact memory synchronously, and a
+    fresh [8192, 2048] fp32 RMSNorm output measured 12 ms in one process and
+    87 ms in the next (15 ms without the advice). ``set_huge_pages(True)`` or
+    ``LEANSTEP_HUGE_PAGES=1`` turns it on. Results never depend on it.
+    Returns the previous setting."""
+    with _huge_lock:
+        previous = _huge["enabled"]
+        _huge["enabled"] = bool(enabled)
+    return previous
+
+
+def huge_pages():
+    """``{"enabled", "thp_mode", "advised_bytes"}``: the setting and what it did."""
+    return {"enabled": _huge["enabled"], "thp_mode": _thp_mode(), "advised_bytes": _huge["advised"]}
+
+
+def _advise_huge(address, nbytes):
+    if not _huge["enabled"] or nbytes < _HUGE or _thp_mode() not in ("madvise", "always"):
+        return
+    begin = (address + _HUGE - 1) & ~(_HUGE - 1)
+    end = (address + nbytes) & ~(_HUGE - 1)
+    if end <= begin:
+        return
+    madvise = _huge["madvise"]
+    if madvise is None:
+        try:
+            madvise = ctypes.CDLL(None, use_errno=True).madvise
+            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            madvise.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            madvise = False
+        _huge["madvise"] = madvise
+    if madvise and madvise(begin, end - begin, _MADV_HUGEPAGE) == 0:
+        _huge["advised"] += end - begin  # advisory only: a refusal changes nothing
+
+
 def empty(shape, dtype, like):
     """An uninitialised array of `shape` and `dtype` (a name such as
-    "bfloat16") in the framework of `like`, on its device."""
+    "bfloat16") in the framework of `like`, on its device. A fresh CPU block
+    of 2 MiB or more is advised as huge pages (see :func:`set_huge_pages`)."""
     shape = tuple(int(s) for s in shape)
     if is_torch(like):
-        return torch_module().empty(shape, dtype=_torch_dtype(dtype), device=like.device)
+        out = torch_module().empty(shape, dtype=_torch_dtype(dtype), device=like.device)
+        if out.device.type == "cpu":
+            _advise_huge(out.data_ptr(), out.numel() * out.element_size())
+        return out
     if dtype == "bfloat16":
         raise Error(f"argument of dtype bfloat16 needs torch tensors (NumPy has no bfloat16)")
-    return np.empty(shape, dtype=_NUMPY_DTYPES[dtype])
+    out = np.empty(shape, dtype=_NUMPY_DTYPES[dtype])
+    _advise_huge(out.ctypes.data, out.nbytes)
+    return out
 
 
 def zeros(shape, dtype, like):

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from . import _backend, _leanstep
+from ._arrays import dtype_name as _dtype_name
+from ._arrays import empty as _empty
 
 if "moe" in _leanstep.areas:
     from ._moe import (
@@ -41,7 +43,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps, zero_centered_gamma, rounding, context):
-        y = torch.empty_like(x)
+        y = _fresh_like(x)
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
         _leanstep.rmsnorm_forward_routed(x.detach(), weight.detach(), y, rstd, eps,
                                          zero_centered_gamma, rounding, **context)
@@ -54,8 +56,8 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         need_weight_grad = ctx.needs_input_grad[1]
-        dx = torch.empty_like(x)
-        dweight = torch.empty_like(weight) if need_weight_grad else None
+        dx = _fresh_like(x)
+        dweight = _fresh_like(weight) if need_weight_grad else None
         context = dict(ctx.context, weight_requires_grad=need_weight_grad)
         _leanstep.rmsnorm_backward_routed(dy.detach().contiguous(), x.detach(), rstd,
                                           weight.detach(), dx, dweight, 0.0,
@@ -86,12 +88,17 @@ class _ExactForwardFrozenRMSNorm(torch.autograd.Function):
             impl = "fused" if torch_rmsnorm.fused_available(x.device.type) else "composite"
             dx = torch_rmsnorm.backward_dx(dy, x, rstd, weight, False, impl)
         else:
-            dx = torch.empty_like(x)
+            dx = _fresh_like(x)
             context = dict(ctx.context, weight_requires_grad=False)
             _leanstep.rmsnorm_backward_routed(dy.detach(), x.detach(),
                                               rstd.detach().reshape(x.shape[:-1]),
                                               weight.detach(), dx, None, 0.0, False, **context)
         return dx, None, None, None, None
+
+
+def _fresh_like(t):
+    """An output like `t` that leanstep allocates (huge pages when large)."""
+    return _empty(tuple(t.shape), _dtype_name(t), t)
 
 
 def _no_features():
@@ -116,7 +123,7 @@ def rms_norm(x, weight, eps=1e-6, zero_centered_gamma=False, rounding="scale_the
     context = dict(_no_features(), weight_requires_grad=bool(
         torch.is_grad_enabled() and weight.requires_grad))
     if not wants_grad:
-        y = torch.empty_like(x)
+        y = _fresh_like(x)
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
         _leanstep.rmsnorm_forward_routed(x.detach(), weight.detach(), y, rstd, float(eps),
                                          zero_centered_gamma, rounding, **context)
@@ -297,7 +304,7 @@ class RMSNorm(torch.nn.RMSNorm):
             return _torch_rms_norm(x, self.weight, float(eps), self.zero_centered_gamma,
                                    self.rounding)
         if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
-            y = torch.empty_like(x)
+            y = _fresh_like(x)
             rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
             _leanstep.rmsnorm_forward_routed(x.detach(), self.weight.detach(), y, rstd, float(eps),
                                              self.zero_centered_gamma, self.rounding, **context)
