@@ -87,6 +87,11 @@ class _ExactForwardFrozenRMSNorm(torch.autograd.Function):
 
             impl = "fused" if torch_rmsnorm.fused_available(x.device.type) else "composite"
             dx = torch_rmsnorm.backward_dx(dy, x, rstd, weight, False, impl)
+        elif ctx.backend == "triton":
+            from .backends import triton_rmsnorm
+
+            _backend.record("rmsnorm.backward", "triton", x.device.type, "frozen: dx only")
+            dx = triton_rmsnorm.backward_dx(dy, x, rstd, weight)
         else:
             dx = _fresh_like(x)
             context = dict(ctx.context, weight_requires_grad=False)
@@ -112,13 +117,20 @@ def rms_norm(x, weight, eps=1e-6, zero_centered_gamma=False, rounding="scale_the
     The weight gradient is computed only if the weight requires grad. CPU
     tensors run the C++ kernels; tensors on any other device (or
     ``backend="torch"``) run the torch-op backend, which never reads a device
-    value on the host."""
-    chosen = _backend.choose([x, weight], backend, "rms_norm", ["x", "weight"])
-    _backend.record("rmsnorm.forward", chosen, x.device.type)
+    value on the host; on cuda, xpu and npu the Triton kernels run when Triton
+    works there (``backend="triton"`` forces them: CPU tensors under
+    TRITON_INTERPRET=1)."""
+    chosen, why = _backend.choose_with_reason([x, weight], backend, "rms_norm", ["x", "weight"],
+                                              triton=True)
+    _backend.record("rmsnorm.forward", chosen, x.device.type, why)
     if not x.is_contiguous():
         x = x.contiguous()
     if chosen == "torch":
         return _torch_rms_norm(x, weight, float(eps), zero_centered_gamma, rounding)
+    if chosen == "triton":
+        from .backends import triton_rmsnorm
+
+        return triton_rmsnorm.rms_norm(x, weight, float(eps), zero_centered_gamma, rounding)
     wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     context = dict(_no_features(), weight_requires_grad=bool(
         torch.is_grad_enabled() and weight.requires_grad))
@@ -287,8 +299,9 @@ class RMSNorm(torch.nn.RMSNorm):
             self.last_decision = {"path": "torch", "reason": decision["explain"]}
             return super().forward(x)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        chosen = _backend.choose([x, self.weight], self.backend, "RMSNorm", ["x", "weight"])
-        _backend.record("rmsnorm.forward", chosen, x.device.type)
+        chosen, why = _backend.choose_with_reason([x, self.weight], self.backend, "RMSNorm",
+                                                  ["x", "weight"], triton=True)
+        _backend.record("rmsnorm.forward", chosen, x.device.type, why)
         self.last_decision = {"path": decision["path"], "reason": decision["reason"],
                               "backend": chosen}
         if not x.is_contiguous():
@@ -303,6 +316,11 @@ class RMSNorm(torch.nn.RMSNorm):
         if chosen == "torch":
             return _torch_rms_norm(x, self.weight, float(eps), self.zero_centered_gamma,
                                    self.rounding)
+        if chosen == "triton":
+            from .backends import triton_rmsnorm
+
+            return triton_rmsnorm.rms_norm(x, self.weight, float(eps), self.zero_centered_gamma,
+                                           self.rounding)
         if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             y = _fresh_like(x)
             rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
