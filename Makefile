@@ -12,7 +12,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
 .PHONY: all sysdeps pydeps pydeps312 build python python312 test test-cpp test-python \
-        test-python312 test-asan test-tsan demo demo-cpp bench clean
+        test-python312 test-asan test-tsan test-fuzz demo demo-cpp bench clean
 
 all: build
 
@@ -79,6 +79,27 @@ test-tsan: sysdeps
 	cmake --preset tsan >/dev/null
 	cmake --build --preset tsan -j $(JOBS) --target tsan_tests
 	ctest --preset tsan -j $(JOBS) --no-tests=error
+
+# libFuzzer targets (tests/fuzz: step logs, configs, plans/diffs, safetensors)
+# under ASan + UBSan, each for FUZZ_SECONDS from its committed seed corpus
+# (tests/fuzz/corpus/<target>; new inputs go to build/fuzz/work, findings to
+# build/fuzz/findings). Any finding fails the target.
+FUZZ_SECONDS ?= 45
+FUZZ_TARGETS := steplog config plan safetensors
+test-fuzz: sysdeps
+	cmake --preset fuzz >/dev/null
+	cmake --build --preset fuzz -j $(JOBS)
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p $(BUILD)/fuzz/work/$$t $(BUILD)/fuzz/findings; \
+	  echo "fuzz_$$t: $(FUZZ_SECONDS) s from tests/fuzz/corpus/$$t"; \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+	  $(BUILD)/fuzz/tests/fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=2048 \
+	    -max_len=8192 -print_final_stats=1 -artifact_prefix=$(BUILD)/fuzz/findings/$$t- \
+	    $(BUILD)/fuzz/work/$$t tests/fuzz/corpus/$$t 2>$(BUILD)/fuzz/$$t.log \
+	    || { tail -n 60 $(BUILD)/fuzz/$$t.log; echo "fuzz_$$t: FINDING (input in $(BUILD)/fuzz/findings/)"; exit 1; }; \
+	  grep -E "^(stat::number_of_executed_units|Done)" $(BUILD)/fuzz/$$t.log | tr '\n' ' '; echo; \
+	done
+	@echo "fuzzing: 0 findings"
 
 # The main job: real Megatron-Core MoE-LoRA training on 2 gloo CPU ranks
 # (python -m leanstep.megatron.train --help), at EP 1 and EP 2: a

@@ -6,6 +6,7 @@ packages=(
   libgtest-dev libbenchmark-dev libhwy-dev nlohmann-json3-dev libcli11-dev libfmt-dev libdlpack-dev
   libopenmpi-dev openmpi-bin libopenblas-dev
   python3 python3-venv python3-dev
+  clang libclang-rt-14-dev libomp-dev
 )
 missing=()
 for p in "${packages[@]}"; do

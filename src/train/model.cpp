@@ -30,12 +30,6 @@ double Rng::normal() {
   return radius * std::cos(angle);
 }
 
-uint64_t fnv1a(const void* data, size_t bytes, uint64_t hash) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < bytes; ++i) hash = (hash ^ p[i]) * 0x100000001B3ull;
-  return hash;
-}
-
 uint64_t mix_seed(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) {
   Rng r(seed ^ 0x243F6A8885A308D3ull);
   uint64_t h = r.next_u64();
