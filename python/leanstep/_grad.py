@@ -64,10 +64,12 @@ class GradPlan:
         self._grads = [view(g) for g in grads]
         self._buffers = [view(b) for b in buffers]
         self._like = self._grads[0] if self._grads else like
+        like_arg = [like] if not self._grads and is_torch(like) else []  # an empty list's device
         self.backend, self._reason = _backend.choose_with_reason(
-            self._grads + self._buffers, backend, "GradPlan",
+            self._grads + self._buffers + like_arg, backend, "GradPlan",
             [f"grads[{i}]" for i in range(len(self._grads))]
-            + [f"buffers[{i}]" for i in range(len(self._buffers))], triton=True)
+            + [f"buffers[{i}]" for i in range(len(self._buffers))] + ["like"] * len(like_arg),
+            triton=True)
         self._device = None
         if self.backend in ("torch", "triton"):
             from .backends.torch_grad import TorchGradPlan
@@ -263,15 +265,18 @@ def multi_tensor_scale(src_list, dst_list, scale, *, found_inf=None, backend=Non
         raise Error(f"multi_tensor_scale: arguments 'src_list' and 'dst_list' must have the same "
                     f"length (got {len(src)} and {len(dst)})")
     like = src[0] if src else (dst[0] if dst else None)
-    chosen, reason = _backend.choose_with_reason(src + dst, backend, "multi_tensor_scale",
+    flag_arg = [view(found_inf)] if not src and found_inf is not None else []  # empty lists
+    chosen, reason = _backend.choose_with_reason(src + dst + flag_arg, backend,
+                                                 "multi_tensor_scale",
                                                  [f"src_list[{i}]" for i in range(len(src))]
-                                                 + [f"dst_list[{i}]" for i in range(len(dst))],
-                                                 triton=True)
+                                                 + [f"dst_list[{i}]" for i in range(len(dst))]
+                                                 + ["found_inf"] * len(flag_arg), triton=True)
     if chosen in ("torch", "triton"):
         from .backends import torch_grad
 
         torch = torch_module()
-        device = like.device if like is not None else torch.device("cpu")
+        device = like.device if like is not None else (
+            found_inf.device if is_torch(found_inf) else torch.device("cpu"))
         for i, (s, d) in enumerate(zip(src, dst)):
             if s.shape != d.shape:
                 raise Error(f"multi_tensor_scale: argument 'dst_list[{i}]' must have the shape of "

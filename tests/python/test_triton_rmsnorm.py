@@ -50,9 +50,20 @@ def _triton_state():
         return "compiled"
 
 
-IN_PROCESS = _triton_state() != "compiled"
+#: LEANSTEP_TEST_DEVICE=cuda (scripts/gpu-check.sh): the same tests, the Triton side on that
+#: device with compiled kernels, the oracle and the C++ side on the CPU.
+DEVICE = torch.device(os.environ.get("LEANSTEP_TEST_DEVICE", "cpu"))
+NATIVE = DEVICE.type != "cpu"
+IN_PROCESS = NATIVE or _triton_state() != "compiled"
 triton_common = triton_rmsnorm = None
-if IN_PROCESS:
+if NATIVE:
+    triton = pytest.importorskip("triton")
+    from leanstep.backends import triton_common, triton_rmsnorm
+
+    if _backend.triton_unusable(DEVICE) is not None:
+        pytest.skip(f"Triton cannot run {DEVICE}: {_backend.triton_unusable(DEVICE)}",
+                    allow_module_level=True)
+elif IN_PROCESS:
     _PREVIOUS = os.environ.get("TRITON_INTERPRET")
     os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
@@ -78,7 +89,8 @@ def _interpreter(request, monkeypatch):
     if not IN_PROCESS:
         pytest.skip("triton was imported for a device: "
                     "test_in_a_fresh_interpreter_process runs this module")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not NATIVE:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def test_in_a_fresh_interpreter_process():
@@ -104,7 +116,20 @@ UNIT = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-
 
 
 def to_f64(t):
-    return t.detach().to(torch.float64).numpy()
+    return t.detach().cpu().to(torch.float64).numpy()
+
+
+def dev(t):
+    return t.to(DEVICE) if NATIVE else t
+
+
+def t_forward(x, w, *args):
+    """The Triton forward on the test device (inputs made on the CPU)."""
+    return triton_rmsnorm.forward(dev(x), dev(w), *args)
+
+
+def t_backward(dy, x, rstd, w, *args):
+    return triton_rmsnorm.backward(dev(dy), dev(x), dev(rstd), dev(w), *args)
 
 
 def round_to(values, dtype):
@@ -169,7 +194,7 @@ def test_forward_vs_oracle_and_cpu_path(dtype, shape, zero_centered_gamma, torch
     x, w, dy = inputs(shape, dtype, torch_gen, scale=1e-2)
     eps = 1e-4
     with triton_common.count_launches() as launches:
-        y, rstd = triton_rmsnorm.forward(x, w, eps, zero_centered_gamma)
+        y, rstd = t_forward(x, w, eps, zero_centered_gamma)
     assert sum(launches.values()) == (1 if x.numel() else 0)
     y64, r64, *_ = oracle(x, w, dy, eps, zero_centered_gamma)
     assert y.dtype == dtype and rstd.dtype == torch.float32 and rstd.shape == x.shape[:-1]
@@ -184,7 +209,7 @@ def test_forward_vs_oracle_and_cpu_path(dtype, shape, zero_centered_gamma, torch
 def test_cast_then_scale_and_mixed_weight_dtype(dtype, shape, torch_gen):
     x, w, dy = inputs(shape, dtype, torch_gen, w_dtype=torch.float32)
     for rounding in ("cast_then_scale", "scale_then_cast"):
-        y, _ = triton_rmsnorm.forward(x, w, 1e-6, False, rounding)
+        y, _ = t_forward(x, w, 1e-6, False, rounding)
         y64, *_ = oracle(x, w, dy, 1e-6, False, rounding)
         assert_close(y, y64, dtype, ulps=3.0 if rounding == "cast_then_scale" else 1.0)
         y_cpu, _ = leanstep.rms_norm(x, w, 1e-6, False, rounding)
@@ -196,9 +221,9 @@ def test_cast_then_scale_and_mixed_weight_dtype(dtype, shape, torch_gen):
 @pytest.mark.parametrize("zero_centered_gamma", [False, True])
 def test_frozen_backward_is_dx_only_in_one_launch(dtype, shape, zero_centered_gamma, torch_gen):
     x, w, dy = inputs(shape, dtype, torch_gen)
-    _, rstd = triton_rmsnorm.forward(x, w, 1e-5, zero_centered_gamma)
+    _, rstd = t_forward(x, w, 1e-5, zero_centered_gamma)
     with triton_common.count_launches() as launches:
-        dx, dw = triton_rmsnorm.backward(dy, x, rstd, w, zero_centered_gamma, False)
+        dx, dw = t_backward(dy, x, rstd, w, zero_centered_gamma, False)
     assert dw is None and dict(launches) == {"_backward_kernel": 1}
     assert dx.dtype == dtype
     assert_dx_close(dx, x, w, dy, rstd, dtype, zero_centered_gamma)
@@ -208,9 +233,9 @@ def test_frozen_backward_is_dx_only_in_one_launch(dtype, shape, zero_centered_ga
 @pytest.mark.parametrize("shape", [(3, 7), (37, 64), (2, 9000), (0, 8)])
 def test_trainable_backward_dweight_two_stages(dtype, shape, torch_gen):
     x, w, dy = inputs(shape, dtype, torch_gen)
-    _, rstd = triton_rmsnorm.forward(x, w, 1e-5)
+    _, rstd = t_forward(x, w, 1e-5)
     with triton_common.count_launches() as launches:
-        dx, dw = triton_rmsnorm.backward(dy, x, rstd, w, False, True)
+        dx, dw = t_backward(dy, x, rstd, w, False, True)
     rows = x.numel() // shape[-1]
     assert sum(launches.values()) == (2 if rows else 0)
     _, _, dx64, dw64, abs_sum = oracle(x, w, dy, 1e-5)
@@ -218,17 +243,17 @@ def test_trainable_backward_dweight_two_stages(dtype, shape, torch_gen):
     bound = 1.5 * ((rows + 4) * U * abs_sum + 2 * UNIT[dtype] * np.abs(dw64))
     assert (np.abs(to_f64(dw) - dw64) <= bound).all()
     # dx is the frozen path's, bit for bit.
-    dx_frozen, _ = triton_rmsnorm.backward(dy, x, rstd, w, False, False)
+    dx_frozen, _ = t_backward(dy, x, rstd, w, False, False)
     assert torch.equal(dx, dx_frozen)
 
 
 def test_dweight_has_the_same_bits_for_any_grid(monkeypatch, torch_gen):
     x, w, dy = inputs((70, 48), torch.float32, torch_gen)
-    _, rstd = triton_rmsnorm.forward(x, w, 1e-5)
+    _, rstd = t_forward(x, w, 1e-5)
     results = []
     for programs in (1, 3, 10_000):
         monkeypatch.setattr(triton_rmsnorm.tc, "max_programs", lambda device, n=programs: n)
-        results.append(triton_rmsnorm.backward(dy, x, rstd, w, False, True))
+        results.append(t_backward(dy, x, rstd, w, False, True))
     for dx, dw in results[1:]:
         assert torch.equal(dx, results[0][0]) and torch.equal(dw, results[0][1])
 
@@ -238,7 +263,8 @@ def test_dweight_has_the_same_bits_for_any_grid(monkeypatch, torch_gen):
 def test_eps_zero_and_a_zero_row_give_nan_as_torch():
     x = torch.zeros(2, 8)
     x[1] = 1.0
-    y, rstd = triton_rmsnorm.forward(x, torch.ones(8), 0.0)
+    y, rstd = t_forward(x, torch.ones(8), 0.0)
+    y, rstd = y.cpu(), rstd.cpu()
     assert torch.isinf(rstd[0]) and torch.isnan(y[0]).all() and torch.equal(y[1], torch.ones(8))
 
 
@@ -249,15 +275,16 @@ def test_eps_zero_and_a_zero_row_give_nan_as_torch():
 @pytest.mark.parametrize("rounding", ["scale_then_cast", "cast_then_scale"])
 def test_module_frozen_path_on_triton(dtype, rounding, torch_gen):
     x, _, dy = inputs((6, 96), dtype, torch_gen)
-    m = lt.RMSNorm(96, eps=1e-5, dtype=dtype, rounding=rounding, backend="triton")
+    m = lt.RMSNorm(96, eps=1e-5, dtype=dtype, rounding=rounding, backend="triton",
+                   device=DEVICE)
     with torch.no_grad():
-        m.weight.copy_(torch.rand(96, generator=torch_gen) + 0.5)
+        m.weight.copy_(dev(torch.rand(96, generator=torch_gen) + 0.5))
     m.weight.requires_grad_(False)
-    xi = x.clone().requires_grad_(True)
+    xi = dev(x).requires_grad_(True)
     _backend.reset_calls()
     with triton_common.count_launches() as launches:
         y = m(xi)
-        y.backward(dy)
+        y.backward(dev(dy))
     assert dict(launches) == {"_forward_kernel": 1, "_backward_kernel": 1}
     assert m.last_decision["path"] == "frozen_fused" and m.last_decision["backend"] == "triton"
     assert m.weight.grad is None
@@ -265,44 +292,46 @@ def test_module_frozen_path_on_triton(dtype, rounding, torch_gen):
     assert_close(y.detach(), y64, dtype, ulps=3.0 if rounding == "cast_then_scale" else 1.0)
     assert_close(xi.grad, dx64, dtype)
     reasons = _backend.reasons()
-    assert list(reasons["rmsnorm.forward"]["triton"]["cpu"]) == ["forced, Triton interpreter"]
-    assert list(reasons["rmsnorm.backward"]["triton"]["cpu"]) == ["frozen: dx only"]
+    (forward_reason,) = reasons["rmsnorm.forward"]["triton"][DEVICE.type]
+    assert forward_reason == ("forced" if NATIVE else "forced, Triton interpreter")
+    assert list(reasons["rmsnorm.backward"]["triton"][DEVICE.type]) == ["frozen: dx only"]
 
 
 @pytest.mark.parametrize("zero_centered_gamma", [False, True])
 def test_function_trainable_weight_gets_its_gradient(zero_centered_gamma, torch_gen):
     x, w, dy = inputs((5, 40), torch.bfloat16, torch_gen)
-    xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    xi, wi = dev(x).requires_grad_(True), dev(w).requires_grad_(True)
     y = lt.rms_norm(xi, wi, 1e-5, zero_centered_gamma, backend="triton")
-    y.backward(dy)
+    y.backward(dev(dy))
     _, _, dx64, dw64, abs_sum = oracle(x, w, dy, 1e-5, zero_centered_gamma)
     assert_close(xi.grad, dx64, torch.bfloat16)
     bound = 1.5 * (9 * U * abs_sum + 2 * UNIT[torch.bfloat16] * np.abs(dw64))
     assert (np.abs(to_f64(wi.grad) - dw64) <= bound).all()
     with torch.no_grad():  # no autograd: the forward kernel alone
-        y2 = lt.rms_norm(x, w, 1e-5, zero_centered_gamma, backend="triton")
+        y2 = lt.rms_norm(dev(x), dev(w), 1e-5, zero_centered_gamma, backend="triton")
     assert torch.equal(y2, y.detach())
 
 
 def test_exact_forward_keeps_torch_forward_and_takes_triton_dx(torch_gen):
-    ref = torch.nn.RMSNorm(320, eps=1e-6, dtype=torch.bfloat16)
+    ref = torch.nn.RMSNorm(320, eps=1e-6, dtype=torch.bfloat16, device=DEVICE)
     with torch.no_grad():
-        ref.weight.copy_(torch.rand(320, generator=torch_gen) + 0.5)
+        ref.weight.copy_(dev(torch.rand(320, generator=torch_gen) + 0.5))
     ref.weight.requires_grad_(False)
     m = lt.RMSNorm.from_torch(ref, frozen_only=True, exact_forward=True, backend="triton")
     x = torch.randn(7, 5, 320, generator=torch_gen).to(torch.bfloat16)
-    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    x1, x2 = dev(x).requires_grad_(), dev(x).requires_grad_()
     y1, y2 = ref(x1), m(x2)
     assert torch.equal(y1, y2) and m.last_decision["forward"] == "torch_order"
     dy = torch.randn(7, 5, 320, generator=torch_gen).to(torch.bfloat16)
     with triton_common.count_launches() as launches:
-        y2.backward(dy)
+        y2.backward(dev(dy))
     assert dict(launches) == {"_backward_kernel": 1}
     _, _, dx64, _, _ = oracle(x, ref.weight, dy, 1e-6)
     assert_close(x2.grad, dx64, torch.bfloat16)
     assert list(m.state_dict()) == list(ref.state_dict())
 
 
+@pytest.mark.skipif(NATIVE, reason="the interpreter's errors")
 def test_errors_name_the_argument(monkeypatch):
     x, w = torch.randn(2, 8), torch.ones(8)
     monkeypatch.delenv("TRITON_INTERPRET")

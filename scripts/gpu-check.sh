@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The accelerator check of leanstep's Triton kernels: one script, at most 8 minutes,
+# installs nothing.
+#
+#   1. the Triton tests natively: LEANSTEP_TEST_DEVICE=cuda pytest tests/python/test_triton_*.py
+#      (the Triton side on the GPU, compiled; the C++ path and the float64 oracle on the CPU);
+#   2. bench/gpu_check.py: norm + clip on the Qwen3-Omni LoRA layout (leanstep Triton, the
+#      torch-op backend, torch clip_grad_norm_ foreach, Megatron-Core), frozen RMSNorm
+#      [8192, 2048] bf16 (vs torch.nn.functional.rms_norm), MoE permute / unpermute
+#      T 4096 E 128 k 8 H 2048 (vs Megatron-Core): ms, launches, syncs, share of the copy
+#      bandwidth measured in the same run.
+#
+# Usage: scripts/gpu-check.sh [--cpu-smoke] [OUT_DIR]          (default: gpu-check-out)
+#   --cpu-smoke: the same steps on a machine without a GPU (tests in Triton's interpreter,
+#   bench/gpu_check.py --cpu-smoke with tiny sizes): checks this script's logic only.
+#   PYTHON=/path/to/python  the interpreter (default: python3). It needs torch with CUDA,
+#   triton, numpy and pytest; megatron-core is optional (its variants are then skipped).
+#   The compiled extension for that Python must be in python/leanstep/ (an ignored build
+#   output: bring it along, e.g. python/leanstep/_leanstep.cpython-312-x86_64-linux-gnu.so).
+# Writes OUT_DIR/env.txt, tests.txt, bench.txt, gpu_check.json. Exit status: 0 when the
+# environment, the tests and the benchmark all succeed; else the first failure's.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+SMOKE=0
+if [ "${1:-}" = "--cpu-smoke" ]; then
+    SMOKE=1
+    shift
+fi
+PY=${PYTHON:-python3}
+OUT=${1:-gpu-check-out}
+BUDGET=${GPU_CHECK_BUDGET_S:-470}  # seconds for the whole script (8 minutes with margin)
+TESTS_S=${GPU_CHECK_TESTS_S:-290}  # the tests' share: first launches compile every kernel
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+START=$(date +%s)
+elapsed() { echo $(( $(date +%s) - START )); }
+
+echo "== environment"
+timeout 60 env GPU_CHECK_SMOKE="$SMOKE" "$PY" - <<'PYEOF' 2>&1 | tee "$OUT/env.txt"
+import os
+import sys
+import torch
+smoke = os.environ["GPU_CHECK_SMOKE"] == "1"
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda)
+if not smoke:
+    assert torch.cuda.is_available(), "no CUDA device visible to torch"
+    print("gpu:", torch.cuda.get_device_name(), "| sms:",
+          torch.cuda.get_device_properties(0).multi_processor_count)
+import triton
+print("triton", triton.__version__)
+import leanstep
+from leanstep import _backend
+print("leanstep", leanstep.__version__, "| areas:", ",".join(leanstep.areas))
+if not smoke:
+    from triton.runtime import driver
+    print("triton driver:", driver.active.get_current_target())
+    why = _backend.triton_unusable(torch.device("cuda"))
+    assert why is None, f"leanstep cannot run Triton here: {why}"
+try:
+    from importlib.metadata import version
+    print("megatron-core", version("megatron-core"))
+except Exception as e:  # noqa: BLE001
+    print("megatron-core: not installed (its variants are skipped):", e)
+PYEOF
+env_rc=${PIPESTATUS[0]}
+if [ "$env_rc" -ne 0 ]; then
+    echo "gpu-check: the environment check failed (rc $env_rc); see $OUT/env.txt"
+    exit "$env_rc"
+fi
+
+TESTS=(tests/python/test_triton_*.py)
+if [ "$SMOKE" -eq 1 ]; then
+    echo "== Triton tests in the interpreter (--cpu-smoke; limit ${TESTS_S}s)"
+    TEST_ENV=(TRITON_INTERPRET=1)
+    BENCH_ARGS=(--cpu-smoke)
+else
+    echo "== Triton tests on the GPU (limit ${TESTS_S}s)"
+    TEST_ENV=(LEANSTEP_TEST_DEVICE=cuda)
+    BENCH_ARGS=()
+fi
+timeout "$TESTS_S" env "${TEST_ENV[@]}" "$PY" -m pytest -q -p no:cacheprovider \
+    --durations=8 "${TESTS[@]}" 2>&1 | tee "$OUT/tests.txt"
+tests_rc=${PIPESTATUS[0]}
+echo "tests: rc $tests_rc after $(elapsed)s"
+
+LEFT=$(( BUDGET - $(elapsed) ))
+if [ "$LEFT" -lt 30 ]; then
+    echo "gpu-check: ${LEFT}s left, too little for the benchmark"
+    bench_rc=124
+else
+    echo "== benchmark (limit ${LEFT}s)"
+    timeout "$LEFT" "$PY" bench/gpu_check.py "${BENCH_ARGS[@]}" --json "$OUT/gpu_check.json" \
+        2>&1 | tee "$OUT/bench.txt"
+    bench_rc=${PIPESTATUS[0]}
+fi
+echo "== summary: tests rc $tests_rc, benchmark rc $bench_rc, $(elapsed)s in all; files in $OUT"
+[ "$tests_rc" -ne 0 ] && exit "$tests_rc"
+exit "$bench_rc"
