@@ -106,25 +106,27 @@ def isnan_f64(x):
 @triton.jit
 def load_f32(addr, code, offs, n, MASKED: tl.constexpr, ALIGNED: tl.constexpr):
     """fp32 values of a float32 (code 0), float16 (1) or bfloat16 (2) run at
-    byte address `addr`, elements `offs` (masked to < n when MASKED)."""
+    byte address `addr`, elements `offs` (masked to < n when MASKED). Each
+    branch names its own pointer: the compiler requires a name bound in
+    both branches of a runtime `if` to keep one type."""
     if code == 0:
-        p = typed_ptr(addr, tl.float32, ALIGNED)
+        p32 = typed_ptr(addr, tl.float32, ALIGNED)
         if MASKED:
-            x = tl.load(p + offs, mask=offs < n, other=0.0)
+            x = tl.load(p32 + offs, mask=offs < n, other=0.0)
         else:
-            x = tl.load(p + offs)
+            x = tl.load(p32 + offs)
     elif code == 1:
-        p = typed_ptr(addr, tl.float16, ALIGNED)
+        p16 = typed_ptr(addr, tl.float16, ALIGNED)
         if MASKED:
-            x = tl.load(p + offs, mask=offs < n, other=0.0).to(tl.float32)
+            x = tl.load(p16 + offs, mask=offs < n, other=0.0).to(tl.float32)
         else:
-            x = tl.load(p + offs).to(tl.float32)
+            x = tl.load(p16 + offs).to(tl.float32)
     else:
-        p = typed_ptr(addr, tl.uint16, ALIGNED)
+        pbf = typed_ptr(addr, tl.uint16, ALIGNED)
         if MASKED:
-            x = bf16_bits_to_f32(tl.load(p + offs, mask=offs < n, other=0))
+            x = bf16_bits_to_f32(tl.load(pbf + offs, mask=offs < n, other=0))
         else:
-            x = bf16_bits_to_f32(tl.load(p + offs))
+            x = bf16_bits_to_f32(tl.load(pbf + offs))
     return x
 
 

@@ -1,0 +1,204 @@
+"""MoE permute / unpermute Triton kernels, run on CPU tensors by Triton's
+interpreter, against the C++ path (leanstep.moe_permute / moe_unpermute on
+CPU tensors): every result is compared bit for bit (the same counting-sort
+order; unpermute's fp32 sums in increasing slot order, products rounded
+before each add, one cast). Also: launches (3 for permute, 1 for unpermute),
+no host syncs when num_out_tokens is given, experts with no tokens, a rank
+with nothing routed, rows past the routed pairs, drop-and-pad, arbitrary
+sorted_indices (duplicates, -1) for unpermute.
+
+Interpreter set-up as in test_triton_grad.py.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import leanstep
+from leanstep import _backend
+
+
+def _triton_state():
+    """How this process imported triton: "absent", "interpreted" or "compiled"."""
+    if "triton" not in sys.modules:
+        return "absent"
+    try:
+        import triton.language.standard as standard
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return "interpreted" if isinstance(standard.zeros, InterpretedFunction) else "compiled"
+    except Exception:  # noqa: BLE001
+        return "compiled"
+
+
+#: LEANSTEP_TEST_DEVICE=cuda (scripts/gpu-check.sh): the same tests, the Triton side on that
+#: device with compiled kernels, the oracle and the C++ side on the CPU.
+DEVICE = torch.device(os.environ.get("LEANSTEP_TEST_DEVICE", "cpu"))
+NATIVE = DEVICE.type != "cpu"
+IN_PROCESS = NATIVE or _triton_state() != "compiled"
+triton_common = triton_moe = None
+if NATIVE:
+    triton = pytest.importorskip("triton")
+    from leanstep.backends import triton_common, triton_moe
+
+    if _backend.triton_unusable(DEVICE) is not None:
+        pytest.skip(f"Triton cannot run {DEVICE}: {_backend.triton_unusable(DEVICE)}",
+                    allow_module_level=True)
+elif IN_PROCESS:
+    _PREVIOUS = os.environ.get("TRITON_INTERPRET")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        triton = pytest.importorskip("triton")
+        from leanstep.backends import triton_common, triton_moe
+    finally:
+        if _PREVIOUS is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = _PREVIOUS
+    IN_PROCESS = triton_common.INTERPRETED
+else:
+    pytest.importorskip("triton")
+
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(request, monkeypatch):
+    if request.node.name == "test_in_a_fresh_interpreter_process":
+        return
+    if not IN_PROCESS:
+        pytest.skip("triton was imported for a device: "
+                    "test_in_a_fresh_interpreter_process runs this module")
+    if not NATIVE:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_in_a_fresh_interpreter_process():
+    if IN_PROCESS:
+        pytest.skip("the tests run in this process")
+    try:
+        from conftest import SEED
+    except ImportError:
+        SEED = os.environ.get("LEANSTEP_TEST_SEED", "0")
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(leanstep.__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", LEANSTEP_TEST_SEED=str(SEED))
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    print(run.stdout.strip().splitlines()[-1])
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def dev(t):
+    return t.to(DEVICE) if NATIVE and t is not None else t
+
+
+def assert_bitwise(actual, expected):
+    if expected is None:
+        assert actual is None
+        return
+    actual = actual.cpu()
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype.is_floating_point:
+        view = INT_VIEW[actual.element_size()]
+        assert torch.equal(actual.view(view), expected.view(view))
+    else:
+        assert torch.equal(actual, expected)
+
+
+def routing(gen, T, E, k, empty_expert=True):
+    routing_map, probs, _ = leanstep.moe_route(torch.randn(T, E, generator=gen), k)
+    if empty_expert and E > 2:  # an expert no token is routed to
+        routing_map[:, 1] = False
+        probs[:, 1] = 0.0
+    return routing_map, probs
+
+
+CASES = [(None, False), ("exact", False), ("more", False), ("capacity", True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,drop_and_pad", CASES)
+@pytest.mark.parametrize("probs_dtype", [None, torch.float32, torch.bfloat16])
+def test_permute_is_bitwise_the_cpu_path(dtype, rows, drop_and_pad, probs_dtype, torch_gen):
+    T, E, k, H = 53, 7, 2, 19
+    routing_map, probs = routing(torch_gen, T, E, k)
+    probs = None if probs_dtype is None else probs.to(probs_dtype)
+    tokens = torch.randn(T, H, generator=torch_gen).to(dtype)
+    routed = int(routing_map.sum())
+    n = {None: None, "exact": routed, "more": routed + 9, "capacity": E * 5}[rows]
+    with triton_common.count_launches() as launches:
+        out = triton_moe.permute(dev(tokens), dev(routing_map), dev(probs), n, drop_and_pad)
+    assert sum(launches.values()) == 3
+    ref = leanstep.moe_permute(tokens, routing_map, probs, n, drop_and_pad)
+    for a, b in zip(out, ref):
+        assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("drop_and_pad", [False, True])
+@pytest.mark.parametrize("probs_form", ["map", "slots", None])
+def test_unpermute_is_bitwise_the_cpu_path(dtype, drop_and_pad, probs_form, torch_gen):
+    T, E, k, H = 41, 6, 3, 23
+    routing_map, probs = routing(torch_gen, T, E, k)
+    tokens = torch.randn(T, H, generator=torch_gen).to(dtype)
+    n = E * 9 if drop_and_pad else int(routing_map.sum()) + 4  # + rows with no source
+    permuted, pprobs, idx = leanstep.moe_permute(tokens, routing_map, probs, n, drop_and_pad)
+    permuted = (permuted.float() * 1.7).to(dtype)  # not exactly the tokens
+    kwargs = {"map": dict(probs=probs, routing_map=routing_map, drop_and_pad=drop_and_pad),
+              "slots": dict(probs=pprobs), None: {}}[probs_form]
+    with triton_common.count_launches() as launches:
+        out = triton_moe.unpermute(dev(permuted), dev(idx), (T, H),
+                                   **{key: dev(v) if isinstance(v, torch.Tensor) else v
+                                      for key, v in kwargs.items()})
+    assert sum(launches.values()) == 1
+    assert_bitwise(out, leanstep.moe_unpermute(permuted, idx, (T, H), **kwargs))
+
+
+def test_unpermute_any_indices_sums_in_slot_order(torch_gen):
+    T, H, N = 9, 33, 40
+    idx = torch.randint(-1, T, (N,), generator=torch_gen)  # duplicates, -1, tokens never hit
+    rows = (torch.randn(N, H, generator=torch_gen) * 1e3).to(torch.bfloat16)
+    weights = torch.rand(N, generator=torch_gen)
+    for probs in (None, weights):
+        out = triton_moe.unpermute(dev(rows), dev(idx), (T, H), probs=dev(probs))
+        assert_bitwise(out, leanstep.moe_unpermute(rows, idx, (T, H), probs=probs))
+
+
+def test_nothing_routed_and_no_tokens(torch_gen):
+    T, E, H = 12, 4, 8
+    tokens = torch.randn(T, H, generator=torch_gen)
+    nothing = torch.zeros(T, E, dtype=torch.bool)
+    out = triton_moe.permute(dev(tokens), dev(nothing), dev(torch.zeros(T, E)), 5)
+    ref = leanstep.moe_permute(tokens, nothing, torch.zeros(T, E), 5)
+    for a, b in zip(out, ref):
+        assert_bitwise(a, b)
+    assert (out[2] == -1).all()
+    empty = triton_moe.permute(dev(tokens[:0]), dev(nothing[:0]), None, 3)
+    assert_bitwise(empty[0], torch.zeros(3, H)) and (empty[2] == -1).all()
+    assert_bitwise(triton_moe.unpermute(dev(out[0]), dev(out[2]), (T, H)), torch.zeros(T, H))
+
+
+def test_sync_free_with_num_out_tokens_and_the_row_check(torch_gen):
+    T, E, k, H = 32, 8, 2, 16
+    routing_map, probs = routing(torch_gen, T, E, k, empty_expert=False)
+    tokens = dev(torch.randn(T, H, generator=torch_gen))
+    routing_map, probs = dev(routing_map), dev(probs)
+    with leanstep.audit() as audit:
+        permuted, pprobs, idx = triton_moe.permute(tokens, routing_map, probs, T * k)
+        triton_moe.unpermute(permuted, idx, (T, H), probs=probs, routing_map=routing_map)
+    assert audit.num_syncs == 0 and audit.num_device_reads == 0, audit.format_table()
+    if not NATIVE:  # on a device the assertion fires asynchronously
+        with pytest.raises(RuntimeError, match="num_out_tokens"):
+            triton_moe.permute(tokens, routing_map, probs, T * k - 1)
+    with pytest.raises(leanstep.Error, match="argument 'method'"):
+        triton_moe.permute(tokens, routing_map, probs, T * k, method="radix")
