@@ -79,10 +79,30 @@ else
     TEST_ENV=(LEANSTEP_TEST_DEVICE=cuda)
     BENCH_ARGS=()
 fi
-timeout "$TESTS_S" env "${TEST_ENV[@]}" "$PY" -m pytest -q -p no:cacheprovider \
-    --durations=8 "${TESTS[@]}" 2>&1 | tee "$OUT/tests.txt"
-tests_rc=${PIPESTATUS[0]}
-echo "tests: rc $tests_rc after $(elapsed)s"
+# One pytest per module, in parallel: the first launch of each kernel variant compiles it
+# (single-threaded per kernel), so the modules' compiles overlap on the host's cores.
+LOGS=$(mktemp -d)
+PIDS=()
+for t in "${TESTS[@]}"; do
+    timeout "$TESTS_S" env "${TEST_ENV[@]}" "$PY" -m pytest -q -p no:cacheprovider \
+        --durations=5 "$t" > "$LOGS/$(basename "$t" .py).txt" 2>&1 &
+    PIDS+=("$!")
+done
+tests_rc=0
+for i in "${!PIDS[@]}"; do
+    wait "${PIDS[$i]}"
+    rc=$?
+    echo "${TESTS[$i]}: rc $rc, $(tail -n 1 "$LOGS/$(basename "${TESTS[$i]}" .py).txt")"
+    if [ "$rc" -ne 0 ] && [ "$tests_rc" -eq 0 ]; then
+        tests_rc=$rc
+    fi
+done
+for t in "${TESTS[@]}"; do
+    echo "===== $t"
+    cat "$LOGS/$(basename "$t" .py).txt"
+done > "$OUT/tests.txt"
+rm -rf "$LOGS"
+echo "tests: rc $tests_rc after $(elapsed)s (logs in $OUT/tests.txt)"
 
 LEFT=$(( BUDGET - $(elapsed) ))
 if [ "$LEFT" -lt 30 ]; then
