@@ -8,8 +8,10 @@
   It never reads a device value on the host.
 - ``"triton"``: Triton kernels over region tables (python/leanstep/backends/
   triton_*.py), for the ops that have them (``choose(..., triton=True)``).
-  Chosen automatically for cuda, xpu and npu tensors when ``import triton``
-  works and a Triton driver for that device is active; forced with
+  Chosen automatically for cuda, xpu and npu tensors when
+  ``LEANSTEP_TRITON=auto`` is set (opt-in until validated on hardware: see
+  :func:`triton_automatic`), ``import triton`` works and a Triton driver for
+  that device is active; forced with
   ``backend="triton"``, also on CPU tensors under Triton's interpreter
   (``TRITON_INTERPRET=1``, tests). Elsewhere the torch-op backend runs.
   triton is imported only when a call on such a device (or a forced one)
@@ -156,6 +158,9 @@ def choose_with_reason(tensors, backend, where, names=None, *, triton=False):
             return "cpu", "CPU tensors"
         if not triton:
             return "torch", f"{device.type} tensors; the op has no Triton kernels"
+        if not triton_automatic():
+            return "torch", (f"{device.type} tensors; Triton kernels are opt-in until they are "
+                             f"validated on the hardware (LEANSTEP_TRITON=auto)")
         why = triton_unusable(device)
         if why is None:
             return "triton", f"{device.type} tensors, Triton driver active"
@@ -164,6 +169,16 @@ def choose_with_reason(tensors, backend, where, names=None, *, triton=False):
         raise Error(f"{where}: backend='cpu' needs CPU tensors (got {device}); the device "
                     f"backend is backend='torch'")
     return backend, "forced"
+
+
+def triton_automatic():
+    """Whether cuda/xpu/npu calls pick the Triton kernels by themselves:
+    ``LEANSTEP_TRITON=auto``. Off by default: the kernels are tested under
+    Triton's interpreter and compiled for sm_90 here, but have not yet run on
+    a GPU or an NPU (scripts/gpu-check.sh is the check that would); until
+    then device tensors take the torch-op backend unless ``backend="triton"``
+    asks for the kernels."""
+    return os.environ.get("LEANSTEP_TRITON", "").strip().lower() == "auto"
 
 
 def record(op, backend, device_type, reason=None):

@@ -537,9 +537,14 @@ def test_errors_name_the_argument(monkeypatch):
         leanstep.GradPlan([torch.zeros(4, device="meta")], backend="triton")
 
 
-def test_automatic_selection_and_report(torch_gen):
+def test_automatic_selection_and_report(torch_gen, monkeypatch):
     cpu = torch.zeros(4)
     assert _backend.choose_with_reason([cpu], None, "t", triton=True) == ("cpu", "CPU tensors")
+    monkeypatch.delenv("LEANSTEP_TRITON", raising=False)
+    chosen, why = _backend.choose_with_reason([torch.zeros(4, device="meta")], None, "t",
+                                              triton=True)
+    assert chosen == "torch" and "opt-in until they are validated" in why
+    monkeypatch.setenv("LEANSTEP_TRITON", "auto")  # what scripts/gpu-check.sh sets
     chosen, why = _backend.choose_with_reason([torch.zeros(4, device="meta")], None, "t",
                                               triton=True)
     assert chosen == "torch" and "Triton kernels do not run meta tensors" in why
