@@ -29,80 +29,19 @@ import torch
 
 import leanstep
 from leanstep import _backend
+
+import triton_harness  # noqa: E402 (tests/python is on sys.path under pytest)
 from leanstep._grad import ddp_grad_buffers
 
 
-def _triton_state():
-    """How this process imported triton: "absent", "interpreted" or "compiled"."""
-    if "triton" not in sys.modules:
-        return "absent"
-    try:
-        import triton.language.standard as standard
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return "interpreted" if isinstance(standard.zeros, InterpretedFunction) else "compiled"
-    except Exception:  # noqa: BLE001
-        return "compiled"
-
-
-#: LEANSTEP_TEST_DEVICE=cuda (scripts/gpu-check.sh): the same tests, the Triton side on that
-#: device with compiled kernels, the C++ side on CPU copies.
-DEVICE = torch.device(os.environ.get("LEANSTEP_TEST_DEVICE", "cpu"))
-NATIVE = DEVICE.type != "cpu"
-IN_PROCESS = NATIVE or _triton_state() != "compiled"
-triton_common = triton_grad = None
-if NATIVE:
-    triton = pytest.importorskip("triton")
-    from leanstep.backends import triton_common, triton_grad
-
-    if _backend.triton_unusable(DEVICE) is not None:
-        pytest.skip(f"Triton cannot run {DEVICE}: {_backend.triton_unusable(DEVICE)}",
-                    allow_module_level=True)
-elif IN_PROCESS:
-    _PREVIOUS = os.environ.get("TRITON_INTERPRET")
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    try:
-        triton = pytest.importorskip("triton")
-        from leanstep.backends import triton_common, triton_grad
-    finally:
-        if _PREVIOUS is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = _PREVIOUS
-    IN_PROCESS = triton_common.INTERPRETED
-else:
-    pytest.importorskip("triton")
-
+_SETUP = triton_harness.load("triton_common", "triton_grad")
+DEVICE, NATIVE, IN_PROCESS = _SETUP.device, _SETUP.native, _SETUP.in_process
+triton = _SETUP.triton
+triton_common, triton_grad = _SETUP.modules["triton_common"], _SETUP.modules["triton_grad"]
+_interpreter = triton_harness.interpreter_fixture(_SETUP)
+test_in_a_fresh_interpreter_process = triton_harness.fresh_process_test(__file__, _SETUP)
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(request, monkeypatch):
-    if request.node.name == "test_in_a_fresh_interpreter_process":
-        return
-    if not IN_PROCESS:
-        pytest.skip("triton was imported for a device: "
-                    "test_in_a_fresh_interpreter_process runs this module")
-    if not NATIVE:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def test_in_a_fresh_interpreter_process():
-    if IN_PROCESS:
-        pytest.skip("the tests run in this process")
-    try:
-        from conftest import SEED
-    except ImportError:
-        SEED = os.environ.get("LEANSTEP_TEST_SEED", "0")
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(leanstep.__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", LEANSTEP_TEST_SEED=str(SEED))
-    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                         timeout=600, cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    print(run.stdout.strip().splitlines()[-1])
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
