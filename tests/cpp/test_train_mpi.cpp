@@ -13,33 +13,14 @@
 #include "leanstep/comm.h"
 #include "leanstep/train.h"
 #include "test_util.h"
+#include "mpi_test_util.h"
 
 namespace {
 
 using namespace leanstep;
 using namespace leanstep::train;
+using leanstep::testing::world;
 
-bool under_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE"); }
-
-comm::Communicator& world() {
-  static std::unique_ptr<comm::Communicator> c = comm::mpi_world(60.0);
-  return *c;
-}
-
-// Run alone the cases skip. Under the CTest wrapper (LEANSTEP_REQUIRE_MPI_RANKS=2)
-// a case that cannot run is a failure: a wrapper whose cases all skip must not pass,
-// nor one started with the wrong number of ranks.
-#define SKIP_UNLESS_MPI()                                                                              \
-  do {                                                                                                 \
-    const char* required = std::getenv("LEANSTEP_REQUIRE_MPI_RANKS");                                  \
-    if (!comm::mpi_available() || !under_mpirun()) {                                                  \
-      if (required) FAIL() << "LEANSTEP_REQUIRE_MPI_RANKS is set but this is not an MPI run (built "   \
-                           << (comm::mpi_available() ? "with" : "without") << " MPI)";                 \
-      GTEST_SKIP() << "needs mpirun -np 2";                                                                         \
-    }                                                                                                  \
-    if (required && world().size() != std::atoi(required))                                             \
-      FAIL() << "needs exactly " << required << " MPI ranks (got " << world().size() << ")";           \
-  } while (0)
 
 Config small_config() {
   Config c = load_config(std::string(LEANSTEP_SOURCE_DIR) + "/examples/tiny-moe/micro.json");
