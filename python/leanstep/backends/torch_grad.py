@@ -28,7 +28,8 @@ from .._leanstep import Error, GradPlanCore
 
 _STORAGE_SPACING_BITS = 44  # synthetic base of storage k: (k + 1) << 44 (16 TiB apart)
 _OFFSET_MASK = (1 << _STORAGE_SPACING_BITS) - 1
-_PLAN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+#: The grad dtypes the planner takes (the C++ Plan's own list).
+PLAN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _dtype_name(dtype):
@@ -57,7 +58,7 @@ class TorchGradPlan:
         storages = {}  # storage identity -> (index, base grad per dtype)
         layout = []
         for i, g in enumerate(grads):
-            if g.dtype not in _PLAN_DTYPES:
+            if g.dtype not in PLAN_DTYPES:
                 raise Error(f"{where}: argument 'grads[{i}]' must be float32, float16, bfloat16 "
                             f"or float64 (got {_dtype_name(g.dtype)})")
             storage = g.untyped_storage()

@@ -39,13 +39,12 @@ class Variant:
 class Spec:
     """One patch: function `attr` of module `home` (or, with `class_attr`, a
     method of that class), the variants it supports, the modules known to
-    import it by name, and its family (for the runtime switch)."""
+    import it by name, and its op in the vocabulary (the preset switches it)."""
 
     def __init__(self, name, op, home, attr, variants, alias_modules=(), class_attr=None,
                  requires_area=None, host_read=None):
         self.name = name
         self.op = op  # its name in the op vocabulary: the preset switches it
-        self.family = op.split(".", 1)[0]
         self.home = home
         self.attr = attr
         self.variants = variants

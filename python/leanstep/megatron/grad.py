@@ -17,6 +17,7 @@ import threading
 import torch
 
 from .. import _backend
+from ..backends.torch_grad import PLAN_DTYPES
 from . import _patching
 from ._patching import EMPTY, Spec, Variant
 
@@ -25,7 +26,6 @@ OPTIMIZER = "megatron.core.optimizer.optimizer"
 ALIAS_MODULES = (OPTIMIZER, "megatron.core.optimizer.layer_wise_optimizer",
                  "megatron.core.models.mimo.optimizer")
 
-_PLAN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
@@ -76,7 +76,7 @@ class PlanCache:
         for g in grads:
             if type(g) not in _PLAIN_TYPES:
                 return None, "tensor_subclass"
-            if g.dtype not in _PLAN_DTYPES:
+            if g.dtype not in PLAN_DTYPES:
                 return None, "dtype"
         if grads and len({g.device for g in grads}) > 1:
             return None, "mixed_devices"
