@@ -16,9 +16,10 @@ shims, so every code path of this script runs on a machine without a GPU):
   ``get_grad_norm_fp32`` + ``clip_grad_by_total_norm_fp32``;
 - frozen RMSNorm [8192, 2048] bf16, forward and forward + backward (dx only):
   ``leanstep.torch.RMSNorm(backend="triton")`` vs ``torch.nn.functional.rms_norm``;
-- MoE permute / unpermute, T 4096, E 128, top-8, H 2048 bf16: leanstep (its
-  default device backend; the Triton one when ``leanstep.backends.triton_moe``
-  has it) vs Megatron-Core ``moe_utils.permute`` / ``unpermute``.
+- MoE permute / unpermute, T 4096, E 128, top-8, H 2048 bf16: leanstep's
+  Triton kernels (the default on a GPU) and its torch-op backend, both through
+  ``leanstep.moe_permute`` / ``moe_unpermute`` with ``backend=`` forced, vs
+  Megatron-Core ``moe_utils.permute`` / ``unpermute``.
 
 Per variant: median ms (CUDA events on a GPU), kernel launches of one call
 (CUDA kernels and memory operations seen by torch.profiler on a GPU; on the
@@ -31,6 +32,7 @@ one JSON object per row (and a header object) with --json.
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -311,36 +313,19 @@ def bench_moe(dev, table, args, megatron):
     permute_bytes = 2 * N * H * es + T * E + 8 * N
     unpermute_bytes = N * H * es + 8 * N + 4 * N + T * H * es
     case = f"moe T{T} E{E} k{k} H{H} bf16"
-    triton_moe = None
-    try:
-        from leanstep.backends import triton_moe as _tm
-
-        if hasattr(_tm, "permute"):
-            triton_moe = _tm
-    except ImportError:
-        pass
     with torch.no_grad():
-        permuted, _, idx = leanstep.moe_permute(tokens, routing_map, probs, num_out_tokens=N)
-        variants = [
-            ("permute leanstep (default backend)",
-             lambda: leanstep.moe_permute(tokens, routing_map, probs, num_out_tokens=N),
-             permute_bytes),
-            ("unpermute leanstep (default backend)",
-             lambda: leanstep.moe_unpermute(permuted, idx, (T, H), probs=probs,
-                                            routing_map=routing_map), unpermute_bytes),
-        ]
-        if triton_moe is not None:
+        permuted, _, idx = leanstep.moe_permute(tokens, routing_map, probs, num_out_tokens=N,
+                                                backend="torch")
+        variants = []
+        for name, backend in (("triton", "triton"), ("torch-op backend", "torch")):
             variants += [
-                ("permute leanstep triton",
-                 lambda: triton_moe.permute(tokens, routing_map, probs, num_out_tokens=N),
-                 permute_bytes),
-                ("unpermute leanstep triton",
-                 lambda: triton_moe.unpermute(permuted, idx, (T, H), probs=probs,
-                                              routing_map=routing_map), unpermute_bytes),
+                (f"permute leanstep {name}",
+                 functools.partial(leanstep.moe_permute, tokens, routing_map, probs,
+                                   num_out_tokens=N, backend=backend), permute_bytes),
+                (f"unpermute leanstep {name}",
+                 functools.partial(leanstep.moe_unpermute, permuted, idx, (T, H), probs=probs,
+                                   routing_map=routing_map, backend=backend), unpermute_bytes),
             ]
-        else:
-            table.skip(case, "leanstep triton permute / unpermute",
-                       "no Triton MoE kernels in this build")
         if megatron is not None:
             moe_utils = megatron[1]
             m_out = moe_utils.permute(tokens, routing_map, probs, num_out_tokens=N)

@@ -33,8 +33,8 @@ TESTS_S=${GPU_CHECK_TESTS_S:-290}  # the tests' share: first launches compile ev
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
-# The check of the Triton kernels on the hardware: let device tensors pick them
-# (they are opt-in elsewhere until this script has passed on a GPU).
+# Device tensors pick the Triton kernels by themselves (after their first-use self-check);
+# stated here so that a LEANSTEP_TRITON=off in the caller's environment does not hide them.
 export LEANSTEP_TRITON=auto
 START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }

@@ -7,13 +7,15 @@
   tests); it can be forced on CPU tensors so its numerics are tested here.
   It never reads a device value on the host.
 - ``"triton"``: Triton kernels over region tables (python/leanstep/backends/
-  triton_*.py), for the ops that have them (``choose(..., triton=True)``).
-  Chosen automatically for cuda, xpu and npu tensors when
-  ``LEANSTEP_TRITON=auto`` is set (opt-in until validated on hardware: see
-  :func:`triton_automatic`), ``import triton`` works and a Triton driver for
-  that device is active; forced with
-  ``backend="triton"``, also on CPU tensors under Triton's interpreter
-  (``TRITON_INTERPRET=1``, tests). Elsewhere the torch-op backend runs.
+  triton_*.py), for the op families that have them (``choose(...,
+  triton="grad" | "rmsnorm" | "moe")``). Chosen automatically for cuda, xpu
+  and npu tensors when ``import triton`` works, a Triton driver for that
+  device is active and the family's first-use self-check passed on that
+  device (:mod:`leanstep.backends.triton_selfcheck`: the kernels against the
+  torch-op backend, once per family and device); ``LEANSTEP_TRITON=off``
+  turns the automatic choice off. Forced with ``backend="triton"``, also on
+  CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, tests).
+  Elsewhere the torch-op backend runs, and the reason is recorded.
   triton is imported only when a call on such a device (or a forced one)
   asks for it: ``import leanstep`` never imports it.
 
@@ -36,6 +38,7 @@ _lock = threading.Lock()
 _calls = collections.Counter()
 _reasons = collections.Counter()
 _triton_drivers = {}  # device type -> None (usable) or why not, once per process
+_self_checks = {}  # (family, device) -> None (passed) or why not, once per process
 
 
 def _torch():
@@ -123,13 +126,15 @@ def triton_unusable(device):
 def choose(tensors, backend, where, names=None, *, triton=False):
     """The backend for a call over `tensors`: "cpu" for plain CPU tensors,
     "triton" for cuda/xpu/npu tensors when the op has Triton kernels
-    (``triton=True``) and Triton runs there, "torch" for any other device;
+    (``triton=<family>``) and Triton runs there, "torch" for any other device;
     `backend` forces one ("cpu" refuses non-CPU tensors)."""
     return choose_with_reason(tensors, backend, where, names, triton=triton)[0]
 
 
 def choose_with_reason(tensors, backend, where, names=None, *, triton=False):
-    """(:func:`choose`'s backend, why it was chosen)."""
+    """(:func:`choose`'s backend, why it was chosen). `triton`: the op's
+    Triton family ("grad", "rmsnorm", "moe"), or False for an op without
+    Triton kernels."""
     if backend is not None and backend not in BACKENDS:
         raise Error(f"{where}: argument 'backend' must be one of {', '.join(BACKENDS)} or None "
                     f"(got {backend!r})")
@@ -159,11 +164,12 @@ def choose_with_reason(tensors, backend, where, names=None, *, triton=False):
         if not triton:
             return "torch", f"{device.type} tensors; the op has no Triton kernels"
         if not triton_automatic():
-            return "torch", (f"{device.type} tensors; Triton kernels are opt-in until they are "
-                             f"validated on the hardware (LEANSTEP_TRITON=auto)")
+            return "torch", f"{device.type} tensors; Triton kernels switched off (LEANSTEP_TRITON)"
         why = triton_unusable(device)
+        if why is None and isinstance(triton, str):
+            why = triton_self_check(triton, device)
         if why is None:
-            return "triton", f"{device.type} tensors, Triton driver active"
+            return "triton", f"{device.type} tensors, Triton driver active, self-check passed"
         return "torch", f"{device.type} tensors; Triton: {why}"
     if backend == "cpu" and not on_cpu:
         raise Error(f"{where}: backend='cpu' needs CPU tensors (got {device}); the device "
@@ -172,13 +178,29 @@ def choose_with_reason(tensors, backend, where, names=None, *, triton=False):
 
 
 def triton_automatic():
-    """Whether cuda/xpu/npu calls pick the Triton kernels by themselves:
-    ``LEANSTEP_TRITON=auto``. Off by default: the kernels are tested under
-    Triton's interpreter and compiled for sm_90 here, but have not yet run on
-    a GPU or an NPU (scripts/gpu-check.sh is the check that would); until
-    then device tensors take the torch-op backend unless ``backend="triton"``
-    asks for the kernels."""
-    return os.environ.get("LEANSTEP_TRITON", "").strip().lower() == "auto"
+    """Whether cuda/xpu/npu calls pick the Triton kernels by themselves (after
+    the first-use self-check): yes unless ``LEANSTEP_TRITON`` is ``off``
+    (or ``0``, ``false``, ``no``)."""
+    value = os.environ.get("LEANSTEP_TRITON", "").strip().lower()
+    if value in ("", "auto", "on", "1", "true", "yes"):
+        return True
+    if value in ("off", "0", "false", "no"):
+        return False
+    raise Error(f"LEANSTEP_TRITON must be 'auto' (the default) or 'off' (got {value!r})")
+
+
+def triton_self_check(family, device):
+    """None if `family`'s Triton kernels passed their first-use check on
+    `device` (run once per process, family and device), else why not."""
+    key = (family, str(device))
+    with _lock:
+        if key in _self_checks:
+            return _self_checks[key]
+    from .backends import triton_selfcheck
+
+    why = triton_selfcheck.check(family, device)  # outside the lock: it compiles and runs
+    with _lock:
+        return _self_checks.setdefault(key, why)
 
 
 def record(op, backend, device_type, reason=None):

@@ -65,10 +65,11 @@ def group_enabled(group):
 
 def paths():
     """``{"preset", "ops": {op: {"fast_paths_enabled", "cpu": {...C++ report...},
-    "implementations": {backend: how}, "calls": {backend: {device_type: n}}}}}``:
-    every op of the vocabulary with its CPU implementations (installed, active,
-    guards, calls and reasons), the device backends' implementations, and the
-    calls each backend ran per device."""
+    "implementations": {backend: how}, "calls": {backend: {device_type: n}},
+    "reasons": {backend: {device_type: {why: n}}}}}}``: every op of the
+    vocabulary with its CPU implementations (installed, active, guards, calls
+    and reasons), the device backends' implementations, the calls each
+    backend ran per device, and why that backend ran them."""
     report = {"preset": preset(), "ops": {}}
     if "dispatch_paths_json" in dir(_leanstep):
         cpp = json.loads(_leanstep.dispatch_paths_json())
@@ -85,6 +86,9 @@ def paths():
         entry = report["ops"].setdefault(name, {"fast_paths_enabled": op_enabled(name)})
         for backend, devices in backends.items():
             entry.setdefault("calls", {})[backend] = dict(devices)
+    for name, backends in _backend.reasons().items():
+        entry = report["ops"].setdefault(name, {"fast_paths_enabled": op_enabled(name)})
+        entry["reasons"] = backends
     return report
 
 
@@ -109,6 +113,10 @@ def format_paths():
         for backend, devices in sorted(op.get("calls", {}).items()):
             shown = ", ".join(f"{d} {n}" for d, n in sorted(devices.items()))
             lines.append(f"  routed to {backend}: {shown}")
+        for backend, devices in sorted(op.get("reasons", {}).items()):
+            for device, whys in sorted(devices.items()):
+                for why, n in sorted(whys.items()):
+                    lines.append(f"    {backend} on {device}, {n}x: {why}")
     return "\n".join(lines)
 
 

@@ -69,7 +69,7 @@ class GradPlan:
             self._grads + self._buffers + like_arg, backend, "GradPlan",
             [f"grads[{i}]" for i in range(len(self._grads))]
             + [f"buffers[{i}]" for i in range(len(self._buffers))] + ["like"] * len(like_arg),
-            triton=True)
+            triton="grad")
         self._device = None
         if self.backend in ("torch", "triton"):
             from .backends.torch_grad import TorchGradPlan
@@ -270,7 +270,7 @@ def multi_tensor_scale(src_list, dst_list, scale, *, found_inf=None, backend=Non
                                                  "multi_tensor_scale",
                                                  [f"src_list[{i}]" for i in range(len(src))]
                                                  + [f"dst_list[{i}]" for i in range(len(dst))]
-                                                 + ["found_inf"] * len(flag_arg), triton=True)
+                                                 + ["found_inf"] * len(flag_arg), triton="grad")
     if chosen in ("torch", "triton"):
         from .backends import torch_grad
 

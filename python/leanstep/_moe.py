@@ -11,8 +11,11 @@ forces the parallel counting-sort path and ``method="sort"`` the reference
 ``backend``: None chooses from the tensors' device (CPU tensors and NumPy
 arrays: the C++ kernels; any other torch device: the torch-op backend in
 :mod:`leanstep.backends.torch_moe`, which reads no device value on the host
-except the routed count of a permute without ``num_out_tokens``); "torch"
-forces the torch-op backend on CPU tensors.
+except the routed count of a permute without ``num_out_tokens``; on cuda,
+xpu and npu, permute, unpermute and permute's backward run the Triton
+kernels of :mod:`leanstep.backends.triton_moe` where Triton works); "torch"
+forces the torch-op backend on CPU tensors, "triton" the Triton kernels
+(CPU tensors: under TRITON_INTERPRET=1, tests).
 """
 
 from . import _backend, _leanstep
@@ -34,19 +37,27 @@ __all__ = [
 moe_expert_capacity = _leanstep.moe_expert_capacity
 
 
-def _choose(op, tensors, names, backend):
-    """The backend for one call (recorded): "cpu" or "torch"."""
-    chosen = _backend.choose(tensors, backend, op, names=names)
+def _choose(op, tensors, names, backend, triton=False):
+    """The backend for one call (recorded with the reason): "cpu", "torch",
+    or "triton" for the ops with Triton kernels (``triton=True``)."""
+    chosen, why = _backend.choose_with_reason(tensors, backend, op, names=names,
+                                              triton="moe" if triton else False)
     device_type = "cpu"
-    if chosen == "torch":
+    if chosen != "cpu":
         for t, name in zip(tensors, names):
             if t is not None and not is_torch(t):
-                raise Error(f"{op}: backend='torch' needs torch tensors (argument '{name}' is "
+                raise Error(f"{op}: backend='{chosen}' needs torch tensors (argument '{name}' is "
                             f"{type(t).__name__})")
         device_type = next(t.device.type for t in tensors if t is not None)
     # Recorded under the op vocabulary's name (moe.permute, ...).
-    _backend.record("moe." + op.removeprefix("moe_"), chosen, device_type)
+    _backend.record("moe." + op.removeprefix("moe_"), chosen, device_type, why)
     return chosen
+
+
+def _triton_moe():
+    from .backends import triton_moe
+
+    return triton_moe
 
 
 def _cpu_method(method):
@@ -89,8 +100,12 @@ def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_p
     ``num_out_tokens`` (extra rows are zero with index -1; fewer than routed is
     an error); with ``drop_and_pad`` N = num_out_tokens = E * capacity."""
     tokens, routing_map, probs = view(tokens), view(routing_map), opt_view(probs)
-    if _choose("moe_permute", [tokens, routing_map, probs], ["tokens", "routing_map", "probs"],
-               backend) == "torch":
+    chosen = _choose("moe_permute", [tokens, routing_map, probs],
+                     ["tokens", "routing_map", "probs"], backend, triton=True)
+    if chosen == "triton":
+        return _triton_moe().permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad,
+                                     (method or "fused"))
+    if chosen == "torch":
         return _torch_moe().permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad,
                                     (method or "fused"))
     if num_out_tokens is not None:
@@ -112,8 +127,14 @@ def moe_unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_m
     (Megatron-Core's form)."""
     permuted, sorted_indices = view(permuted), view(sorted_indices)
     probs, routing_map = opt_view(probs), opt_view(routing_map)
-    if _choose("moe_unpermute", [permuted, sorted_indices, probs, routing_map, out],
-               ["permuted", "sorted_indices", "probs", "routing_map", "out"], backend) == "torch":
+    chosen = _choose("moe_unpermute", [permuted, sorted_indices, probs, routing_map, out],
+                     ["permuted", "sorted_indices", "probs", "routing_map", "out"], backend,
+                     triton=True)
+    if chosen == "triton":
+        _check_method(method, "unpermute")
+        return _into(out, _triton_moe().unpermute(permuted, sorted_indices, restore_shape, probs,
+                                                  routing_map, drop_and_pad), "moe_unpermute")
+    if chosen == "torch":
         _check_method(method, "unpermute")
         return _into(out, _torch_moe().unpermute(permuted, sorted_indices, restore_shape, probs,
                                                  routing_map, drop_and_pad), "moe_unpermute")
@@ -126,8 +147,12 @@ def moe_unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_m
 def moe_permute_backward(dpermuted, sorted_indices, num_tokens, method=None, *, backend=None):
     """Gradient of permute w.r.t. tokens: ``[num_tokens, H]`` in dpermuted's dtype."""
     dpermuted, sorted_indices = view(dpermuted), view(sorted_indices)
-    if _choose("moe_permute_backward", [dpermuted, sorted_indices],
-               ["dpermuted", "sorted_indices"], backend) == "torch":
+    chosen = _choose("moe_permute_backward", [dpermuted, sorted_indices],
+                     ["dpermuted", "sorted_indices"], backend, triton=True)
+    if chosen == "triton":  # an unpermute without probs: the same fp32 sums in slot order
+        _check_method(method, "permute_backward")
+        return _triton_moe().permute_backward(dpermuted, sorted_indices, num_tokens)
+    if chosen == "torch":
         _check_method(method, "permute_backward")
         return _torch_moe().permute_backward(dpermuted, sorted_indices, num_tokens)
     dtokens = empty((num_tokens, dpermuted.shape[-1]), dtype_name(dpermuted), dpermuted)

@@ -121,7 +121,7 @@ def rms_norm(x, weight, eps=1e-6, zero_centered_gamma=False, rounding="scale_the
     works there (``backend="triton"`` forces them: CPU tensors under
     TRITON_INTERPRET=1)."""
     chosen, why = _backend.choose_with_reason([x, weight], backend, "rms_norm", ["x", "weight"],
-                                              triton=True)
+                                              triton="rmsnorm")
     _backend.record("rmsnorm.forward", chosen, x.device.type, why)
     if not x.is_contiguous():
         x = x.contiguous()
@@ -300,7 +300,7 @@ class RMSNorm(torch.nn.RMSNorm):
             return super().forward(x)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         chosen, why = _backend.choose_with_reason([x, self.weight], self.backend, "RMSNorm",
-                                                  ["x", "weight"], triton=True)
+                                                  ["x", "weight"], triton="rmsnorm")
         _backend.record("rmsnorm.forward", chosen, x.device.type, why)
         self.last_decision = {"path": decision["path"], "reason": decision["reason"],
                               "backend": chosen}
@@ -334,6 +334,12 @@ class RMSNorm(torch.nn.RMSNorm):
 # ---------------------------------------------------------------- MoE
 
 
+def _without_triton(backend):
+    """The backend for a backward op that has no Triton kernels, when the
+    forward was forced to Triton: the torch-op backend (the same numerics)."""
+    return "torch" if backend == "triton" else backend
+
+
 class _PermuteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, routing_map, probs, num_out_tokens, drop_and_pad, method, backend):
@@ -356,7 +362,8 @@ class _PermuteFunction(torch.autograd.Function):
                                            ctx.num_tokens, ctx.method, backend=ctx.backend)
         if ctx.needs_input_grad[2] and dpermuted_probs is not None:
             dprobs = moe_permute_probs_backward(dpermuted_probs.contiguous(), sorted_indices,
-                                                routing_map, ctx.drop_and_pad, backend=ctx.backend)
+                                                routing_map, ctx.drop_and_pad,
+                                                backend=_without_triton(ctx.backend))
         return dtokens, None, dprobs, None, None, None, None
 
 
@@ -387,7 +394,7 @@ class _UnpermuteFunction(torch.autograd.Function):
         need_probs = probs is not None and ctx.needs_input_grad[3]
         dpermuted, dprobs = moe_unpermute_backward(
             dout.contiguous(), permuted, sorted_indices, probs, routing_map, ctx.drop_and_pad,
-            ctx.method, backend=ctx.backend)
+            ctx.method, backend=_without_triton(ctx.backend))
         return (dpermuted if ctx.needs_input_grad[0] else None, None, None,
                 dprobs if need_probs else None, None, None, None, None)
 

@@ -20,10 +20,12 @@ one test here (the same seed).
 
 import math
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -478,19 +480,44 @@ def test_errors_name_the_argument(monkeypatch):
 
 def test_automatic_selection_and_report(torch_gen, monkeypatch):
     cpu = torch.zeros(4)
-    assert _backend.choose_with_reason([cpu], None, "t", triton=True) == ("cpu", "CPU tensors")
-    monkeypatch.delenv("LEANSTEP_TRITON", raising=False)
-    chosen, why = _backend.choose_with_reason([torch.zeros(4, device="meta")], None, "t",
-                                              triton=True)
-    assert chosen == "torch" and "opt-in until they are validated" in why
-    monkeypatch.setenv("LEANSTEP_TRITON", "auto")  # what scripts/gpu-check.sh sets
-    chosen, why = _backend.choose_with_reason([torch.zeros(4, device="meta")], None, "t",
-                                              triton=True)
+    meta = [torch.zeros(4, device="meta")]
+    assert _backend.choose_with_reason([cpu], None, "t", triton="grad") == ("cpu", "CPU tensors")
+    monkeypatch.delenv("LEANSTEP_TRITON", raising=False)  # the default: automatic
+    chosen, why = _backend.choose_with_reason(meta, None, "t", triton="grad")
     assert chosen == "torch" and "Triton kernels do not run meta tensors" in why
+    with monkeypatch.context() as m:
+        m.setenv("LEANSTEP_TRITON", "off")
+        chosen, why = _backend.choose_with_reason(meta, None, "t", triton="grad")
+        assert chosen == "torch" and "switched off (LEANSTEP_TRITON)" in why
+        m.setenv("LEANSTEP_TRITON", "sometimes")
+        with pytest.raises(leanstep.Error, match="LEANSTEP_TRITON must be 'auto'"):
+            _backend.choose_with_reason(meta, None, "t", triton="grad")
+        m.setenv("LEANSTEP_TRITON", "auto")
+        # A device where Triton runs (simulated on meta tensors): the family's
+        # self-check decides, once per family and device.
+        m.setattr(_backend, "triton_unusable", lambda device: None)
+        from leanstep.backends import triton_selfcheck
+
+        checks = []
+        verdicts = {"grad": None, "moe": "the moe self-check failed: unpermute differs"}
+
+        def fake_check(family, device):
+            checks.append((family, str(device)))
+            return verdicts[family]
+
+        m.setattr(triton_selfcheck, "check", fake_check)
+        m.setattr(_backend, "_self_checks", {})
+        for _ in range(2):
+            assert _backend.choose_with_reason(meta, None, "t", triton="grad") == (
+                "triton", "meta tensors, Triton driver active, self-check passed")
+            assert _backend.choose_with_reason(meta, None, "t", triton="moe") == (
+                "torch", "meta tensors; Triton: the moe self-check failed: unpermute differs")
+        assert checks == [("grad", "meta"), ("moe", "meta")]
+        assert _backend.choose_with_reason(meta, None, "t", triton=False)[0] == "torch"
     assert leanstep.GradPlan([cpu]).backend == "cpu"
     if NATIVE:  # a device with a Triton driver: chosen without asking
         auto = leanstep.GradPlan([dev(cpu)])
-        assert auto.backend == "triton" and "Triton driver active" in auto._reason
+        assert auto.backend == "triton" and "self-check passed" in auto._reason
     else:  # no GPU here: a cuda tensor cannot exist, but the decision says why not
         assert _backend.triton_unusable(torch.device("cuda")) is not None
     _backend.reset_calls()
@@ -505,6 +532,26 @@ def test_automatic_selection_and_report(torch_gen, monkeypatch):
     (triton_reason,) = reasons["triton"][kind]
     assert triton_reason.startswith("forced") and "by the torch-op code" in triton_reason
     assert "grad.norm" in leanstep.paths()["ops"]
+
+
+def test_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
+    """The first-use gate of the automatic choice: it passes for the real
+    kernels and names one that is off by one bit or fails to run."""
+    from leanstep.backends import triton_selfcheck
+
+    assert triton_selfcheck.check("grad", DEVICE) is None
+    real = triton_grad.TritonGradPlan.clip
+
+    def clip_off_by_one_bit(self, *args, **kwargs):
+        coeff = real(self, *args, **kwargs)
+        self.views[0].view(torch.int32)[7] ^= 1
+        return coeff
+
+    monkeypatch.setattr(triton_grad.TritonGradPlan, "clip", clip_off_by_one_bit)
+    assert re.fullmatch(r"the grad self-check failed: clipped grads\[\d\] differs from the "
+                        r"torch-op backend", triton_selfcheck.check("grad", DEVICE))
+    monkeypatch.setattr(triton_grad.TritonGradPlan, "unscale", lambda *a: 1 / 0)
+    assert "the grad self-check raised ZeroDivisionError" in triton_selfcheck.check("grad", DEVICE)
 
 
 def test_import_leanstep_does_not_import_triton():

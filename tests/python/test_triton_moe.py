@@ -138,3 +138,76 @@ def test_sync_free_with_num_out_tokens_and_the_row_check(torch_gen):
             triton_moe.permute(tokens, routing_map, probs, T * k - 1)
     with pytest.raises(leanstep.Error, match="argument 'method'"):
         triton_moe.permute(tokens, routing_map, probs, T * k, method="radix")
+
+
+def test_entry_points_route_to_the_kernels_with_autograd(torch_gen):
+    """leanstep.moe_* and the autograd functions with backend="triton": the
+    kernels run (recorded with the reason) and forward and backward keep the
+    C++ path's bits; the backward ops without Triton kernels run the torch-op
+    backend."""
+    import leanstep.torch as lt
+
+    T, E, k, H = 29, 5, 2, 24
+    routing_map, probs = routing(torch_gen, T, E, k)
+    tokens = torch.randn(T, H, generator=torch_gen).to(torch.bfloat16)
+    n = int(routing_map.sum()) + 2
+    _backend.reset_calls()
+    mine = leanstep.moe_permute(dev(tokens), dev(routing_map), dev(probs), n, backend="triton")
+    ref = leanstep.moe_permute(tokens, routing_map, probs, n)
+    for a, b in zip(mine, ref):
+        assert_bitwise(a, b)
+    (why,) = _backend.reasons()["moe.permute"]["triton"][DEVICE.type]
+    assert why.startswith("forced")
+
+    def run(backend, device_of):
+        x = device_of(tokens.clone()).requires_grad_(True)
+        p = device_of(probs.clone()).requires_grad_(True)
+        rmap = device_of(routing_map)
+        permuted, _, idx = lt.permute(x, rmap, None, n, backend=backend)
+        out = lt.unpermute(permuted * 1.5, idx, (T, H), p, rmap, backend=backend)
+        out.float().square().sum().backward()
+        return out, x.grad, p.grad
+
+    for a, b in zip(run("triton", dev), run(None, lambda t: t)):
+        assert_bitwise(a.detach(), b)
+    calls = _backend.calls()
+    kind = DEVICE.type
+    for op in ("moe.unpermute", "moe.permute_backward"):
+        assert calls[op]["triton"][kind] >= 1, calls[op]
+    assert calls["moe.unpermute_backward"]["torch"][kind] == 1  # no Triton kernel for it
+    report = leanstep.paths()["ops"]["moe.permute"]
+    assert "triton" in report["implementations"] and report["calls"]["triton"][kind] == 2
+    assert all(w.startswith("forced") for w in report["reasons"]["triton"][kind])
+    assert f"triton on {kind}, 2x: forced" in leanstep.format_paths()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_permute_backward_is_bitwise_the_cpu_path(dtype, torch_gen):
+    N, T, H = 45, 11, 37
+    idx = torch.randint(-1, T, (N,), generator=torch_gen)
+    d = (torch.randn(N, H, generator=torch_gen) * 100).to(dtype)
+    out = leanstep.moe_permute_backward(dev(d), dev(idx), T, backend="triton")
+    assert_bitwise(out, leanstep.moe_permute_backward(d, idx, T))
+    with pytest.raises(leanstep.Error, match="argument 'num_tokens' must be >= 0"):
+        triton_moe.permute_backward(dev(d), dev(idx), -1)
+
+
+def test_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
+    """The first-use gate of the automatic choice (triton_selfcheck): it
+    passes for the real kernels and names a kernel whose result is off by
+    one bit."""
+    from leanstep.backends import triton_selfcheck
+
+    assert triton_selfcheck.check("moe", DEVICE) is None
+    real = triton_moe.unpermute
+
+    def off_by_one_bit(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out.view(torch.int16)[3, 5] ^= 1
+        return out
+
+    monkeypatch.setattr(triton_moe, "unpermute", off_by_one_bit)
+    why = triton_selfcheck.check("moe", DEVICE)
+    assert why == ("the moe self-check failed: unpermute differs from the torch-op backend")
+    monkeypatch.setattr(triton_moe, "permute", lambda *a, **k: 1 / 0)
+    assert "raised ZeroDivisionError" in triton_selfcheck.check("moe", DEVICE)

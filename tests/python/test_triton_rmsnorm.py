@@ -281,3 +281,16 @@ def test_errors_name_the_argument(monkeypatch):
         triton_rmsnorm.forward(x, torch.ones(7), 1e-6)
     with pytest.raises(leanstep.Error, match=r"argument 'eps' must be finite and >= 0"):
         triton_rmsnorm.forward(x, w, -1.0)
+
+
+def test_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
+    """The first-use gate of the automatic choice: it passes for the real
+    kernels and catches a forward that ignores eps."""
+    from leanstep.backends import triton_selfcheck
+
+    assert triton_selfcheck.check("rmsnorm", DEVICE) is None
+    real = triton_rmsnorm.forward
+    monkeypatch.setattr(triton_rmsnorm, "forward", lambda x, w, eps, *a: real(x, w, 0.5, *a))
+    assert triton_selfcheck.check("rmsnorm", DEVICE) == (
+        "the rmsnorm self-check failed: torch.float32 forward is outside the stated bound of "
+        "the torch-op backend's")

@@ -25,4 +25,23 @@ IMPLEMENTATIONS = {
         "moe.pad_routing_map": "per-expert ranks from cumsums",
         "moe.sort_chunks_by_idxs": "source rows by index arithmetic on the split sizes",
     },
+    "triton": {
+        "grad.norm": "one pass over the chunk table (partials in fixed slots) + a fixed-order "
+                     "finish: 2 launches",
+        "grad.unscale_norm": "unscale, found_inf and norm in the same single pass: 2 launches",
+        "grad.unscale": "one pass, found_inf stored directly: 1 launch",
+        "grad.clip": "coefficient from the device norm in every program, scale in place: "
+                     "1 launch",
+        "grad.norm_clip": "norm, then clip: 3 launches",
+        "grad.scale": "1 launch over the chunk table",
+        "grad.count_zeros": "per-chunk counts + a fixed-order finish: 2 launches",
+        "grad.multi_tensor_scale": "fp32 math, one cast, every dtype pair in 1 launch",
+        "rmsnorm.forward": "one launch, persistent over rows, fp32 rstd",
+        "rmsnorm.backward": "frozen: dx only, 1 launch; trainable: dx + per-chunk dgamma "
+                            "partials, then a fixed-order sum: 2 launches",
+        "moe.permute": "per-expert rank scan, scatter of the slots, row gather: 3 launches",
+        "moe.unpermute": "stable slot order per token (torch sort), fp32 sums in slot order: "
+                         "1 Triton launch",
+        "moe.permute_backward": "the unpermute kernel without probs",
+    },
 }

@@ -241,3 +241,14 @@ def unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_map=N
         hidden, HAS_WEIGHTS=weights is not None, CODE=tc.DTYPE_CODES[permuted.dtype],
         BLOCK_H=_block(hidden, 1024), enable_fp_fusion=False)
     return out
+
+
+def permute_backward(dpermuted, sorted_indices, num_tokens):
+    """As :func:`leanstep.moe_permute_backward`: ``dtokens[t]`` = the fp32 sum
+    of the rows of t's slots in increasing slot order, cast once (the
+    unpermute kernel without probs)."""
+    tm._check_rows_in(dpermuted, "permute_backward", "dpermuted")
+    num_tokens = tm._host_int(num_tokens, "permute_backward", "num_tokens")
+    if num_tokens < 0:
+        tm._fail("permute_backward", "num_tokens", f"must be >= 0 (got {num_tokens})")
+    return unpermute(dpermuted, sorted_indices, (num_tokens, dpermuted.shape[1]))
