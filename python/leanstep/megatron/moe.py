@@ -47,6 +47,13 @@ def _device_type(t):
     return t.device.type
 
 
+def _backend_of(tensors, op):
+    """The backend leanstep's entry point will choose for `op` (reported per call)."""
+    from .. import _backend
+
+    return _backend.choose(tensors, None, op, triton="moe")
+
+
 def _wants_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -85,7 +92,8 @@ def _make_permute(original, spec, five_tuple=False):
         if reason is not None:
             _patching.count(spec.name, reason=reason)
             return None, call_original()
-        _patching.count(spec.name, _device_type(tokens), "cpu" if on_cpu else "torch")
+        _patching.count(spec.name, _device_type(tokens),
+                        "cpu" if on_cpu else _backend_of([tokens, routing_map, probs], "permute"))
         if routing_map.dtype != torch.bool:
             routing_map = routing_map.bool()  # the original accepts 0/1 integer maps
         if drop_and_pad and num_out_tokens is not None:
@@ -154,7 +162,9 @@ def _make_unpermute(original, spec, with_pad_offsets=False):
             _patching.count(spec.name, reason=reason)
             return call_original()
         on_cpu = permuted_tokens.device.type == "cpu"
-        _patching.count(spec.name, _device_type(permuted_tokens), "cpu" if on_cpu else "torch")
+        _patching.count(spec.name, _device_type(permuted_tokens),
+                        "cpu" if on_cpu else _backend_of([permuted_tokens, sorted_indices],
+                                                         "unpermute"))
         if routing_map is not None and routing_map.dtype != torch.bool:
             routing_map = routing_map.bool()
         permuted_tokens = permuted_tokens.contiguous()
