@@ -4,12 +4,12 @@
 #pragma once
 
 #include <cstdlib>
-#include <cstring>
 #include <initializer_list>
 #include <memory>
 #include <vector>
 
 #include "leanstep/core.h"
+#include "leanstep/host_memory.h"
 
 namespace leanstep {
 
@@ -26,9 +26,9 @@ class Buffer {
       n *= s;
     }
     const size_t bytes = (static_cast<size_t>(n) * dtype_size(dtype) + 63) / 64 * 64;
-    void* p = bytes ? std::aligned_alloc(64, bytes) : nullptr;
+    // From 2 MiB: 2 MiB-aligned, advised as huge pages, zeroed by the worker threads.
+    void* p = host_alloc_zeroed(bytes);
     if (bytes && !p) throw Error("Buffer: out of memory");
-    if (p) std::memset(p, 0, bytes);
     storage_.reset(p);
     view_ = Tensor::contiguous(p, dtype, shape.data(), static_cast<int>(shape.size()));
   }

@@ -15,7 +15,7 @@ from . import _leanstep
 from ._leanstep import Error, counters, data_ptr, describe, measure_bandwidth, num_threads
 from ._leanstep import read_scalar, reset_counters, set_num_threads
 from ._dispatch import format_paths, paths, preset, reset_paths, set_preset
-from ._arrays import huge_pages, set_huge_pages
+from ._arrays import empty_cache, huge_pages, output_pool, set_huge_pages, set_output_pool
 
 Error.__module__ = "leanstep"
 __version__ = _leanstep.__version__
@@ -41,6 +41,9 @@ __all__ = [
     "reset_paths",
     "huge_pages",
     "set_huge_pages",
+    "output_pool",
+    "set_output_pool",
+    "empty_cache",
 ]
 
 if "grad" in areas:

@@ -2,13 +2,12 @@
 and allocate results in the framework of the inputs (torch in, torch out;
 NumPy otherwise)."""
 
-import ctypes
 import os
 import sys
-import threading
 
 import numpy as np
 
+from . import _leanstep
 from ._leanstep import Error
 
 _NUMPY_DTYPES = {
@@ -20,6 +19,10 @@ _NUMPY_DTYPES = {
     "bool": np.bool_,
     "uint8": np.uint8,
 }
+
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
+             "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
 
 def torch_module():
@@ -56,85 +59,131 @@ def _torch_dtype(name):
     return getattr(torch, name)
 
 
-# ---------------------------------------------------------------- huge pages for fresh outputs
+# ---------------------------------------------------------------- fresh CPU outputs
+#
+# A fresh 100 MB output costs more in first-touch page faults than the kernel
+# that writes it (glibc maps every block over 32 MiB anew and unmaps it when
+# freed). The C++ library's host memory (include/leanstep/host_memory.h) has
+# two remedies, both on by default here:
+#
+# - the output pool: CPU outputs of 2 MiB or more come from blocks leanstep
+#   keeps once their previous output is gone (the array's memory released:
+#   the DLPack owner is destroyed), so their pages are already mapped;
+# - huge pages: a new block is advised as transparent huge pages before the
+#   kernel first writes it (the kernels' threads then touch the pages they
+#   write), so its first use faults 512 times less often.
 
 _HUGE = 1 << 21  # 2 MiB: the x86-64 / arm64 transparent huge page
-_MADV_HUGEPAGE = 14
-_huge = {"enabled": os.environ.get("LEANSTEP_HUGE_PAGES", "0") == "1", "mode": None,
-         "madvise": None, "advised": 0}
-_huge_lock = threading.Lock()
 
 
-def _thp_mode():
-    """The kernel's transparent huge page mode ("always", "madvise", "never"),
-    read once; None where there is none (not Linux)."""
-    if _huge["mode"] is None:
-        try:
-            with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-                text = f.read()
-            _huge["mode"] = text[text.index("[") + 1:text.index("]")]
-        except (OSError, ValueError):
-            _huge["mode"] = "none"
-    return _huge["mode"]
+def _physical_memory():
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+DEFAULT_POOL_CAP = min(_physical_memory() // 8, 16 << 30)
+
+
+def _parse_pool_env():
+    """LEANSTEP_OUTPUT_POOL: unset or "on" (on, the default cap), "off", or a cap in MiB."""
+    value = os.environ.get("LEANSTEP_OUTPUT_POOL", "").strip().lower()
+    if value in ("", "on", "1", "auto"):
+        return True, DEFAULT_POOL_CAP
+    if value in ("0", "off", "no", "false"):
+        return False, DEFAULT_POOL_CAP
+    try:
+        cap = int(value) << 20
+    except ValueError:
+        raise Error(f"LEANSTEP_OUTPUT_POOL must be 'off', 'on' or a cap in MiB (got {value!r})") \
+            from None
+    if cap < 0:
+        raise Error(f"LEANSTEP_OUTPUT_POOL must be a cap in MiB >= 0 (got {value!r})")
+    return True, cap
+
+
+_leanstep.host_pool_configure(*_parse_pool_env())
 
 
 def set_huge_pages(enabled):
-    """Outputs leanstep allocates itself (never the caller's ``out=`` arrays)
-    are advised as transparent huge pages before the kernels first write them,
-    when they span at least 2 MiB and the kernel's THP mode is "madvise" or
-    "always": first-touch page faults of fresh 100 MB outputs then cost a
-    fraction (256 MiB touched: 38 ms against 115 ms here). Off by default:
-    where the kernel's THP defrag mode is "madvise" (as on these machines),
-    a fault in an advised block may compact memory synchronously, and a
-    fresh [8192, 2048] fp32 RMSNorm output measured 12 ms in one process and
-    87 ms in the next (15 ms without the advice). ``set_huge_pages(True)`` or
-    ``LEANSTEP_HUGE_PAGES=1`` turns it on. Results never depend on it.
-    Returns the previous setting."""
-    with _huge_lock:
-        previous = _huge["enabled"]
-        _huge["enabled"] = bool(enabled)
-    return previous
+    """Whether memory leanstep allocates for its outputs (never the caller's
+    ``out=`` arrays) is advised as transparent huge pages before its first
+    write: only blocks of 2 MiB or more, only their 2 MiB-aligned part, only
+    when the kernel's THP mode is "madvise" or "always". On by default;
+    ``set_huge_pages(False)`` or ``LEANSTEP_HUGE_PAGES=0`` turns it off.
+    Where THP defrag is "madvise", the first fault in an advised block may
+    compact memory synchronously (a fresh 64 MiB block measured 9 to 88 ms
+    here): with the output pool on, that is paid once per block, not per
+    call. Results never depend on it. Returns the previous setting."""
+    return _leanstep.set_huge_pages(bool(enabled))
 
 
 def huge_pages():
     """``{"enabled", "thp_mode", "advised_bytes"}``: the setting and what it did."""
-    return {"enabled": _huge["enabled"], "thp_mode": _thp_mode(), "advised_bytes": _huge["advised"]}
+    return _leanstep.huge_page_info()
 
 
-def _advise_huge(address, nbytes):
-    if not _huge["enabled"] or nbytes < _HUGE or _thp_mode() not in ("madvise", "always"):
-        return
-    begin = (address + _HUGE - 1) & ~(_HUGE - 1)
-    end = (address + nbytes) & ~(_HUGE - 1)
-    if end <= begin:
-        return
-    madvise = _huge["madvise"]
-    if madvise is None:
-        try:
-            madvise = ctypes.CDLL(None, use_errno=True).madvise
-            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            madvise.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            madvise = False
-        _huge["madvise"] = madvise
-    if madvise and madvise(begin, end - begin, _MADV_HUGEPAGE) == 0:
-        _huge["advised"] += end - begin  # advisory only: a refusal changes nothing
+def set_output_pool(enabled=None, cap_bytes=None):
+    """Switches the output pool (see :func:`output_pool`) and sets its cap.
+    Switching it off or lowering the cap releases free blocks (oldest first).
+    Returns the previous ``(enabled, cap_bytes)``."""
+    if cap_bytes is not None and (not isinstance(cap_bytes, int) or cap_bytes < 0):
+        raise Error(f"set_output_pool: argument 'cap_bytes' must be an int >= 0 "
+                    f"(got {cap_bytes!r})")
+    info = _leanstep.host_pool_info()
+    previous = (info["enabled"], info["cap_bytes"])
+    _leanstep.host_pool_configure(previous[0] if enabled is None else bool(enabled),
+                                  previous[1] if cap_bytes is None else cap_bytes)
+    return previous
+
+
+def output_pool():
+    """The output pool: CPU outputs of 2 MiB or more that leanstep allocates
+    (torch tensors and NumPy arrays) come from blocks whose pages are already
+    mapped, once the array that last used a block is gone: no first-touch
+    faults. A block is handed out again only after its array's memory is
+    released (views, NumPy arrays, DLPack exports and autograd's saved
+    tensors all keep it), and outputs are ordinary tensors, not views.
+    ``{"enabled", "cap_bytes", "cached_bytes", "free_bytes", "blocks", "hits",
+    "misses", "over_cap"}``. On by default, capped at 1/8 of physical memory
+    (at most 16 GiB); ``LEANSTEP_OUTPUT_POOL=off`` or a cap in MiB, or
+    :func:`set_output_pool`. :func:`empty_cache` releases the free blocks."""
+    return _leanstep.host_pool_info()
+
+
+def empty_cache():
+    """Releases the output pool's free blocks to the system; returns their bytes."""
+    return _leanstep.host_pool_release_free()
 
 
 def empty(shape, dtype, like):
     """An uninitialised array of `shape` and `dtype` (a name such as
-    "bfloat16") in the framework of `like`, on its device. A fresh CPU block
-    of 2 MiB or more is advised as huge pages (see :func:`set_huge_pages`)."""
+    "bfloat16") in the framework of `like`, on its device. CPU arrays of
+    2 MiB or more come from the output pool (:func:`output_pool`), or else are
+    advised as huge pages (:func:`set_huge_pages`)."""
     shape = tuple(int(s) for s in shape)
-    if is_torch(like):
-        out = torch_module().empty(shape, dtype=_torch_dtype(dtype), device=like.device)
-        if out.device.type == "cpu":
-            _advise_huge(out.data_ptr(), out.numel() * out.element_size())
-        return out
-    if dtype == "bfloat16":
-        raise Error(f"argument of dtype bfloat16 needs torch tensors (NumPy has no bfloat16)")
-    out = np.empty(shape, dtype=_NUMPY_DTYPES[dtype])
-    _advise_huge(out.ctypes.data, out.nbytes)
+    torch_like = is_torch(like)
+    if torch_like and like.device.type != "cpu":
+        return torch_module().empty(shape, dtype=_torch_dtype(dtype), device=like.device)
+    if not torch_like and dtype == "bfloat16":
+        raise Error("argument of dtype bfloat16 needs torch tensors (NumPy has no bfloat16)")
+    numel = 1
+    for size in shape:
+        numel *= size
+    nbytes = numel * _ITEMSIZE[dtype]
+    if nbytes >= _HUGE:
+        out = _leanstep.pool_array(shape, dtype, torch_like)
+        if out is not None:
+            return out
+    if torch_like:
+        out = torch_module().empty(shape, dtype=_torch_dtype(dtype))
+        address = out.data_ptr()
+    else:
+        out = np.empty(shape, dtype=_NUMPY_DTYPES[dtype])
+        address = out.ctypes.data
+    if nbytes >= _HUGE:
+        _leanstep.advise_huge_pages(address, nbytes)
     return out
 
 

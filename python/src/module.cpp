@@ -5,10 +5,12 @@
 #include <string>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <leanstep/core.h>
+#include <leanstep/host_memory.h>
 
 #include "core/bench.h"
 
@@ -18,6 +20,88 @@
 namespace nb = nanobind;
 using namespace leanstep;
 using namespace leanstep::py;
+
+namespace {
+
+nb::dlpack::dtype dlpack_dtype(const std::string& name) {
+  const DType dtype = dtype_from_name(name);
+  const auto bits = static_cast<uint8_t>(dtype_size(dtype) * 8);
+  switch (dtype) {
+    case DType::kFloat32:
+    case DType::kFloat16:
+    case DType::kFloat64:
+      return {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), bits, 1};
+    case DType::kBFloat16:
+      return {static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), bits, 1};
+    case DType::kUInt8:
+      return {static_cast<uint8_t>(nb::dlpack::dtype_code::UInt), bits, 1};
+    case DType::kBool:
+      return {static_cast<uint8_t>(nb::dlpack::dtype_code::Bool), bits, 1};
+    default:
+      return {static_cast<uint8_t>(nb::dlpack::dtype_code::Int), bits, 1};
+  }
+}
+
+// An uninitialised C-contiguous array over a pool block, in torch or NumPy;
+// the block goes back to the pool when the array's memory is released (the
+// DLPack owner's destructor). None when the pool has no block for it.
+nb::object pool_array(const std::vector<int64_t>& shape, const std::string& dtype, bool torch) {
+  std::vector<size_t> sizes;
+  size_t bytes = dtype_size(dtype_from_name(dtype));
+  for (int64_t s : shape) {
+    if (s < 0) throw_arg_error("pool_array", "shape", "must have non-negative sizes");
+    sizes.push_back(static_cast<size_t>(s));
+    bytes *= static_cast<size_t>(s);
+  }
+  void* block = host_pool_take(bytes);
+  if (!block) return nb::none();
+  nb::capsule owner(block, [](void* p) noexcept {
+    try {
+      host_pool_give_back(p);
+    } catch (...) {  // a destructor must not throw; the block stays taken
+    }
+  });
+  const nb::dlpack::dtype dt = dlpack_dtype(dtype);
+  if (torch) {
+    return nb::cast(nb::ndarray<nb::pytorch>(block, sizes.size(), sizes.data(), owner, nullptr, dt,
+                                             nb::device::cpu::value));
+  }
+  return nb::cast(nb::ndarray<nb::numpy>(block, sizes.size(), sizes.data(), owner, nullptr, dt,
+                                         nb::device::cpu::value));
+}
+
+void bind_host_memory(nb::module_& m) {
+  m.def("pool_array", &pool_array, nb::arg("shape"), nb::arg("dtype"), nb::arg("torch"));
+  m.def("set_huge_pages", &set_huge_pages, nb::arg("enabled"));
+  m.def("huge_page_info", [] {
+    const HugePageInfo info = huge_page_info();
+    nb::dict d;
+    d["enabled"] = info.enabled;
+    d["thp_mode"] = info.thp_mode;
+    d["advised_bytes"] = info.advised_bytes;
+    return d;
+  });
+  m.def("advise_huge_pages", [](uintptr_t address, size_t bytes) {
+    advise_huge_pages(reinterpret_cast<void*>(address), bytes);
+  }, nb::arg("address"), nb::arg("bytes"));
+  m.def("host_pool_configure", &host_pool_configure, nb::arg("enabled"), nb::arg("cap_bytes"));
+  m.def("host_pool_release_free", &host_pool_release_free);
+  m.def("host_pool_info", [] {
+    const HostPoolInfo info = host_pool_info();
+    nb::dict d;
+    d["enabled"] = info.enabled;
+    d["cap_bytes"] = info.cap_bytes;
+    d["cached_bytes"] = info.cached_bytes;
+    d["free_bytes"] = info.free_bytes;
+    d["blocks"] = info.blocks;
+    d["hits"] = info.hits;
+    d["misses"] = info.misses;
+    d["over_cap"] = info.over_cap;
+    return d;
+  });
+}
+
+}  // namespace
 
 NB_MODULE(_leanstep, m) {
   m.doc() = "leanstep C++ library bindings (use the `leanstep` package)";
@@ -78,6 +162,8 @@ NB_MODULE(_leanstep, m) {
         return d;
       },
       nb::arg("access"), nb::arg("buffer_bytes") = size_t{256} << 20);
+
+  bind_host_memory(m);
 
   nb::list areas;
 #ifdef LEANSTEP_BIND_COMM
