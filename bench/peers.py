@@ -36,6 +36,7 @@ call. The machine may be shared: medians, repeated runs.
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -77,6 +78,49 @@ def time_it(fn, min_reps, min_seconds, warmup=1, setup=None):
     return statistics.median(times)
 
 
+def paired_ratio(fn, reference, min_reps, min_seconds, setup=None):
+    """Median over pairs of fn's time / reference's time, the order swapped
+    every pair (the machine is shared: a paired ratio cancels its drift)."""
+    for _ in range(2):
+        for f in (fn, reference):
+            if setup:
+                setup()
+            f()
+    ratios, order = [], 0
+    start = time.perf_counter()
+    while len(ratios) < min_reps or (time.perf_counter() - start < min_seconds
+                                     and len(ratios) < 100):
+        times = {}
+        pair = (fn, reference) if order % 2 == 0 else (reference, fn)
+        for f in pair:
+            if setup:
+                setup()
+            t0 = time.perf_counter()
+            f()
+            times[f] = time.perf_counter() - t0
+        ratios.append(times[fn] / times[reference])
+        order += 1
+    return statistics.median(ratios)
+
+
+#: The fresh-output settings each leanstep Python variant runs under:
+#: (label, output pool on, huge pages on). The default is the first.
+OUTPUT_SETTINGS = [("", True, True), (", no pool", False, True), (", no pool, 4K pages", False, False)]
+
+
+@contextlib.contextmanager
+def output_setting(pool, huge):
+    previous_pool = leanstep.set_output_pool(pool)
+    previous_huge = leanstep.set_huge_pages(huge)
+    leanstep.empty_cache()
+    try:
+        yield
+    finally:
+        leanstep.set_output_pool(*previous_pool)
+        leanstep.set_huge_pages(previous_huge)
+        leanstep.empty_cache()
+
+
 def audited(fn):
     """One more call of `fn` under leanstep.audit (after its timing)."""
     with leanstep.audit() as audit:
@@ -91,10 +135,13 @@ class Results:
         self.floors = {}
         self.overheads = []
 
-    def add(self, bench, case, op, variant, median_ms, nbytes, floor_access, audit=None):
+    def add(self, bench, case, op, variant, median_ms, nbytes, floor_access, audit=None,
+            x_cpp=None):
         row = {"bench": bench, "case": case, "op": op, "variant": variant,
                "median_ms": round(median_ms, 4), "bytes": int(nbytes),
                "gbps": round(nbytes / (median_ms * 1e-3) / 1e9, 3)}
+        if x_cpp is not None:  # paired: this Python call / the C++ kernel into reused outputs
+            row["x_cpp"] = round(x_cpp, 3)
         if audit is not None:  # one call under leanstep.audit: aten ops and host syncs
             row["aten_ops"] = audit.num_ops
             row["host_syncs"] = audit.num_syncs
@@ -106,13 +153,14 @@ class Results:
             row["x_floor"] = round(median_ms / floor_ms, 3)
         row["threads"] = leanstep.num_threads()
         self.rows.append(row)
-        print(f"  {bench:8s} {case:34s} {op:15s} {variant:34s} {median_ms:10.3f} ms",
+        print(f"  {bench:8s} {case:34s} {op:15s} {variant:52s} {median_ms:10.3f} ms",
               file=sys.stderr, flush=True)
 
     def table(self):
         out = []
-        header = f"{'bench':8s} {'case':34s} {'op':15s} {'variant':34s} {'median ms':>10s} " \
-                 f"{'GB/s':>8s} {'x floor':>8s} {'speedup':>8s} {'aten ops':>8s} {'syncs':>6s}"
+        header = f"{'bench':8s} {'case':34s} {'op':15s} {'variant':52s} {'median ms':>10s} " \
+                 f"{'GB/s':>8s} {'x floor':>8s} {'speedup':>8s} {'x C++':>6s} {'aten ops':>8s} " \
+                 f"{'syncs':>6s}"
         out.append(header)
         out.append("-" * len(header))
         baseline = {}
@@ -120,9 +168,11 @@ class Results:
             key = (r["bench"], r["case"], r["op"])
             baseline.setdefault(key, r["median_ms"])
             speedup = baseline[key] / r["median_ms"]
-            out.append(f"{r['bench']:8s} {r['case']:34s} {r['op']:15s} {r['variant']:34s} "
+            x_cpp = f"{r['x_cpp']:6.2f}" if "x_cpp" in r else f"{'':6s}"
+            out.append(f"{r['bench']:8s} {r['case']:34s} {r['op']:15s} {r['variant']:52s} "
                        f"{r['median_ms']:10.3f} {r['gbps']:8.2f} {r.get('x_floor', float('nan')):8.2f} "
-                       f"{speedup:8.2f} {r.get('aten_ops', ''):>8} {r.get('host_syncs', ''):>6}")
+                       f"{speedup:8.2f} {x_cpp} {r.get('aten_ops', ''):>8} "
+                       f"{r.get('host_syncs', ''):>6}")
         return "\n".join(out)
 
 
@@ -339,19 +389,42 @@ def bench_rmsnorm(results, args):
         modules = [("HF composite (cast then scale)", hf),
                    ("torch.nn.functional.rms_norm", tn),
                    ("leanstep.torch.RMSNorm frozen", ln)]
-        for variant, m in modules:
-            def fwd(m=m):
-                with torch.no_grad():
-                    m(x)
-            results.add("rmsnorm", case, "forward", variant, time_it(fwd, reps, secs), fwd_bytes,
-                        "copy", audited(fwd))
+        # The C++ kernels into outputs allocated once: the figure each Python
+        # call into fresh outputs is compared with.
+        y, rstd, dx = torch.empty_like(x), torch.empty(rows), torch.empty_like(x)
+        context = dict(lt._no_features(), weight_requires_grad=False)
+
+        def cpp_fwd():
+            leanstep._leanstep.rmsnorm_forward_routed(x, w, y, rstd, 1e-6, False,
+                                                      "scale_then_cast", **context)
+
+        def cpp_fwd_bwd():
+            cpp_fwd()
+            leanstep._leanstep.rmsnorm_backward_routed(dy, x, rstd, w, dx, None, 0.0, False,
+                                                       **context)
+
         xg = x.clone().requires_grad_()
-        for variant, m in modules:
-            def fwd_bwd(m=m):
-                xg.grad = None
-                m(xg).backward(dy)
-            results.add("rmsnorm", case, "fwd_bwd_frozen", variant, time_it(fwd_bwd, reps, secs),
-                        fwd_bwd_bytes, "copy", audited(fwd_bwd))
+        for op, cpp, nbytes in (("forward", cpp_fwd, fwd_bytes),
+                                ("fwd_bwd_frozen", cpp_fwd_bwd, fwd_bwd_bytes)):
+            def call(m, op=op):
+                if op == "forward":
+                    with torch.no_grad():
+                        m(x)
+                else:
+                    xg.grad = None
+                    m(xg).backward(dy)
+
+            for variant, m in modules:
+                settings = OUTPUT_SETTINGS if m is ln else [("", True, True)]
+                for label, pool, huge in settings:
+                    fn = functools.partial(call, m)
+                    with output_setting(pool, huge):
+                        ms = time_it(fn, reps, secs)
+                        x_cpp = paired_ratio(fn, cpp, reps, secs) if m is ln else None
+                        results.add("rmsnorm", case, op, variant + label, ms, nbytes, "copy",
+                                    audited(fn), x_cpp)
+            results.add("rmsnorm", case, op, "C++ kernels, outputs reused", time_it(cpp, reps, secs),
+                        nbytes, "copy")
         assert ln.last_decision["path"] == "frozen_fused", ln.last_decision
 
 
@@ -376,26 +449,43 @@ def bench_moe(results, args):
         tokens = torch.randn(T, H, generator=gen).to(dtype)
         with torch.no_grad():
             permuted, pprobs, idx = leanstep.moe_permute(tokens, routing_map, probs)
-            variants = [
-                ("megatron moe_utils.permute",
-                 lambda: moe_utils.permute(tokens, routing_map, probs)),
-                ("leanstep moe_permute (fused)",
-                 lambda: leanstep.moe_permute(tokens, routing_map, probs)),
+            # The C++ kernels into outputs allocated once.
+            cpp_permuted, cpp_probs, cpp_idx = (torch.empty_like(permuted),
+                                                torch.empty_like(pprobs), torch.empty_like(idx))
+            cpp_out = torch.empty_like(tokens)
+
+            def cpp_permute():
+                leanstep._leanstep.moe_permute(tokens, routing_map, probs, None, False, "auto",
+                                               cpp_permuted, cpp_probs, cpp_idx)
+
+            def cpp_unpermute():
+                leanstep._leanstep.moe_unpermute(permuted, idx, cpp_out, probs, routing_map,
+                                                 False, "auto")
+
+            ops = [
+                ("permute", permute_bytes, cpp_permute,
+                 ("megatron moe_utils.permute",
+                  lambda: moe_utils.permute(tokens, routing_map, probs)),
+                 ("leanstep moe_permute (fused)",
+                  lambda: leanstep.moe_permute(tokens, routing_map, probs))),
+                ("unpermute", unpermute_bytes, cpp_unpermute,
+                 ("megatron moe_utils.unpermute",
+                  lambda: moe_utils.unpermute(permuted, idx, (T, H), probs=probs,
+                                              routing_map=routing_map)),
+                 ("leanstep moe_unpermute (fused)",
+                  lambda: leanstep.moe_unpermute(permuted, idx, (T, H), probs=probs,
+                                                 routing_map=routing_map))),
             ]
-            for variant, fn in variants:
-                results.add("moe", case, "permute", variant, time_it(fn, reps, secs), permute_bytes,
-                            "copy", audited(fn))
-            variants = [
-                ("megatron moe_utils.unpermute",
-                 lambda: moe_utils.unpermute(permuted, idx, (T, H), probs=probs,
-                                             routing_map=routing_map)),
-                ("leanstep moe_unpermute (fused)",
-                 lambda: leanstep.moe_unpermute(permuted, idx, (T, H), probs=probs,
-                                                routing_map=routing_map)),
-            ]
-            for variant, fn in variants:
-                results.add("moe", case, "unpermute", variant, time_it(fn, reps, secs),
-                            unpermute_bytes, "copy", audited(fn))
+            for op, nbytes, cpp, (peer, peer_fn), (mine, mine_fn) in ops:
+                results.add("moe", case, op, peer, time_it(peer_fn, reps, secs), nbytes, "copy",
+                            audited(peer_fn))
+                for label, pool, huge in OUTPUT_SETTINGS:
+                    with output_setting(pool, huge):
+                        results.add("moe", case, op, mine + label, time_it(mine_fn, reps, secs),
+                                    nbytes, "copy", audited(mine_fn),
+                                    paired_ratio(mine_fn, cpp, reps, secs))
+                results.add("moe", case, op, "C++ kernel, outputs reused",
+                            time_it(cpp, reps, secs), nbytes, "copy")
         del tokens, permuted
 
 
