@@ -147,6 +147,47 @@ float GdyXhatDotT(const float* HWY_RESTRICT g, const void* dy, const void* x, fl
   return hn::GetLane(hn::SumOfLanes(d, total));
 }
 
+// The same dot, and partial += dy*xhat (the trainable backward's dgamma
+// partial, accumulated in the pass that streams dy and x from memory: the dx
+// pass then is the frozen one, from cache).
+template <DType kT>
+float GdyXhatDotAccumulateT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r,
+                            float* HWY_RESTRICT partial, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const auto vr = hn::Set(d, r);
+  auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
+  auto at = [&](int64_t k) {
+    const auto vdy = LoadF32<kT>(d, dy, k);
+    const auto xhat = hn::Mul(LoadF32<kT>(d, x, k), vr);
+    hn::StoreU(hn::MulAdd(vdy, xhat, hn::LoadU(d, partial + k)), d, partial + k);
+    return hn::Mul(hn::Mul(hn::LoadU(d, g + k), vdy), xhat);
+  };
+  int64_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N) {
+    a0 = hn::Add(a0, at(i));
+    a1 = hn::Add(a1, at(i + N));
+    a2 = hn::Add(a2, at(i + 2 * N));
+    a3 = hn::Add(a3, at(i + 3 * N));
+  }
+  for (; i + N <= n; i += N) a0 = hn::Add(a0, at(i));
+  if (i < n) {
+    HWY_ALIGN float tg[kPad] = {}, tdy[kPad] = {}, tx[kPad] = {}, tp[kPad] = {};
+    const size_t bytes = static_cast<size_t>(n - i) * sizeof(float);
+    std::memcpy(tg, g + i, bytes);
+    TailToF32<kT>(dy, i, n - i, tdy);
+    TailToF32<kT>(x, i, n - i, tx);
+    std::memcpy(tp, partial + i, bytes);
+    const auto vdy = hn::Load(d, tdy);
+    const auto xhat = hn::Mul(hn::Load(d, tx), vr);
+    hn::Store(hn::MulAdd(vdy, xhat, hn::Load(d, tp)), d, tp);
+    a1 = hn::Add(a1, hn::Mul(hn::Mul(hn::Load(d, tg), vdy), xhat));
+    std::memcpy(partial + i, tp, bytes);
+  }
+  const auto total = hn::Add(hn::Add(a0, a1), hn::Add(a2, a3));
+  return hn::GetLane(hn::SumOfLanes(d, total));
+}
+
 // dx = r * (g*dy - xhat*m), xhat = x*r; with kAccumulate also partial += dy*xhat.
 // The frozen and trainable variants share this code, so their dx is bitwise equal.
 template <DType kT, bool kAccumulate>
@@ -189,6 +230,12 @@ float GdyXhatDotF32(const float* g, const void* dy, const void* x, float r, int6
 }
 float GdyXhatDotBF16(const float* g, const void* dy, const void* x, float r, int64_t n) {
   return GdyXhatDotT<DType::kBFloat16>(g, dy, x, r, n);
+}
+float GdyXhatDotAccumulateF32(const float* g, const void* dy, const void* x, float r, float* p, int64_t n) {
+  return GdyXhatDotAccumulateT<DType::kFloat32>(g, dy, x, r, p, n);
+}
+float GdyXhatDotAccumulateBF16(const float* g, const void* dy, const void* x, float r, float* p, int64_t n) {
+  return GdyXhatDotAccumulateT<DType::kBFloat16>(g, dy, x, r, p, n);
 }
 void DxRowF32(const float* g, const void* dy, const void* x, float r, float m, void* dx, float* p, int64_t n) {
   DxRowT<DType::kFloat32, false>(g, dy, x, r, m, dx, p, n);
@@ -242,6 +289,8 @@ HWY_EXPORT(ScaleRowF32);
 HWY_EXPORT(ScaleRowBF16);
 HWY_EXPORT(GdyXhatDotF32);
 HWY_EXPORT(GdyXhatDotBF16);
+HWY_EXPORT(GdyXhatDotAccumulateF32);
+HWY_EXPORT(GdyXhatDotAccumulateBF16);
 HWY_EXPORT(DxRowF32);
 HWY_EXPORT(DxRowBF16);
 HWY_EXPORT(DxRowAccumulateF32);
@@ -339,6 +388,9 @@ void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const
   const auto dot_fn = bf16 ? HWY_DYNAMIC_DISPATCH(GdyXhatDotBF16) : HWY_DYNAMIC_DISPATCH(GdyXhatDotF32);
   const auto dx_fn = trainable ? (bf16 ? HWY_DYNAMIC_DISPATCH(DxRowAccumulateBF16) : HWY_DYNAMIC_DISPATCH(DxRowAccumulateF32))
                                : (bf16 ? HWY_DYNAMIC_DISPATCH(DxRowBF16) : HWY_DYNAMIC_DISPATCH(DxRowF32));
+  const auto dot_accumulate_fn =
+      bf16 ? HWY_DYNAMIC_DISPATCH(GdyXhatDotAccumulateBF16) : HWY_DYNAMIC_DISPATCH(GdyXhatDotAccumulateF32);
+  const auto dx_row_fn = bf16 ? HWY_DYNAMIC_DISPATCH(DxRowBF16) : HWY_DYNAMIC_DISPATCH(DxRowF32);
 
   // Trainable only: one fp32 partial dgamma row per fixed chunk of rows.
   std::vector<float> partials(trainable ? static_cast<size_t>(std::max<int64_t>(chunks, 1) * h) : 0, 0.0f);
@@ -350,8 +402,11 @@ void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const
         const void* dyr = row_ptr(dy, row, h);
         const void* xr = row_ptr(x, row, h);
         const float r = rstd_in[row];
-        const float mean_dot = dot_fn(g.data(), dyr, xr, r, h) / static_cast<float>(h);
-        dx_fn(g.data(), dyr, xr, r, mean_dot, row_ptr_mut(dx, row, h), partial, h);
+        // Trainable: the dgamma partial is accumulated in the first pass, so
+        // the dx pass is the frozen one (the same bits either way).
+        const float dot = trainable ? dot_accumulate_fn(g.data(), dyr, xr, r, partial, h)
+                                    : dot_fn(g.data(), dyr, xr, r, h);
+        dx_row_fn(g.data(), dyr, xr, r, dot / static_cast<float>(h), row_ptr_mut(dx, row, h), nullptr, h);
       }
       return;
     }
