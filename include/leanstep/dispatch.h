@@ -259,6 +259,9 @@ class OpBase {
   std::vector<std::string> installed() const;
   // The implementation a call would try first ("" if only the reference remains).
   std::string active() const;
+  // Every implementation this op knows (installed or not), oldest first, and
+  // not the reference. With Op::call_impl, what the conformance harness runs.
+  std::vector<std::string> known() const;
   OpReport report() const;
   void reset_stats();
 
@@ -270,6 +273,9 @@ class OpBase {
                                std::string guard_doc, std::string origin);
 
   std::shared_ptr<const detail::Snapshot> snapshot() const { return snapshot_.load(); }
+  // The entry point and guard of a known implementation or of the reference
+  // (guard null: accepts every call). Unknown name -> Error listing the known ones.
+  std::pair<GenericFn, GenericFn> entry(std::string_view impl_name) const;
   GenericFn reference_fn() const { return reference_; }
   detail::ImplStats* reference_stats() const { return reference_stats_.get(); }
 
@@ -336,6 +342,21 @@ class Op<R(Args...)> : public OpBase {
     return install_record(impl_name, reinterpret_cast<GenericFn>(static_cast<Fn>(fn)),
                           reinterpret_cast<GenericFn>(static_cast<Guard>(guard)),
                           std::move(guard_doc), std::move(origin));
+  }
+
+  // Runs one implementation by name (or the reference), installed or not and
+  // whatever the preset: for tests and benchmarks that force a choice. Returns
+  // the guard's reason without running anything when the guard declines the
+  // call, else nullptr. Not counted in the statistics.
+  const char* call_impl(std::string_view impl_name, Args... args) const
+    requires std::is_void_v<R>
+  {
+    const auto [fn, guard] = entry(impl_name);
+    if (guard) {
+      if (const char* reason = reinterpret_cast<Guard>(guard)(args...)) return reason;
+    }
+    reinterpret_cast<Fn>(fn)(args...);
+    return nullptr;
   }
 
   // The dispatched call. Arguments are passed on as lvalues (guards and

@@ -22,10 +22,14 @@
 //
 // The arguments and semantics are those of the area functions named above
 // (see grad.h, rmsnorm.h, moe.h); the reference and the fast paths give the
-// same results within the tolerances those areas document (bit-identical for
-// moe and rmsnorm).
+// same results within the tolerances those areas document: bit-identical for
+// moe; for rmsnorm and the grad norms within the bounds the conformance harness
+// declares (tests/cpp/test_dispatch_conformance.cpp), the SIMD sums being
+// ordered differently from the reference's one accumulator.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <optional>
 #include <span>
 
@@ -76,23 +80,45 @@ using MoeUnpermuteBackwardSig = void(const Tensor& dout, const Tensor& permuted,
                                      const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
                                      const Tensor& dpermuted, const Tensor* dprobs);
 
-// ---------------------------------------------------------------- slots
+// ---------------------------------------------------------------- the op table
+// Every op, declared once: X(slot, "name", signature, "device backends").
+// The slots (`<slot>_op()`), the registration of the built-in ops, the count
+// checked by the conformance harness (tests/cpp/test_dispatch_conformance.cpp)
+// and `leanstep paths` all come from this table. "device backends" are the
+// Python package's implementations for tensors on a device (torch ops,
+// Triton kernels: python/leanstep/backends/), listed by `leanstep paths`.
+#define LEANSTEP_OPS(X)                                                                        \
+  X(grad_norm, "grad.norm", GradNormSig, "torch,triton")                                       \
+  X(grad_unscale_norm, "grad.unscale_norm", GradUnscaleNormSig, "torch,triton")                \
+  X(grad_clip, "grad.clip", GradClipSig, "torch,triton")                                       \
+  X(grad_norm_clip, "grad.norm_clip", GradNormClipSig, "torch,triton")                         \
+  X(grad_scale, "grad.scale", GradScaleSig, "torch,triton")                                    \
+  X(grad_count_zeros, "grad.count_zeros", GradCountZerosSig, "torch,triton")                   \
+  X(grad_multi_tensor_scale, "grad.multi_tensor_scale", GradMultiTensorScaleSig, "torch,triton") \
+  X(rmsnorm_forward, "rmsnorm.forward", RmsnormForwardSig, "torch,triton")                     \
+  X(rmsnorm_backward, "rmsnorm.backward", RmsnormBackwardSig, "torch,triton")                  \
+  X(moe_permute, "moe.permute", MoePermuteSig, "torch,triton")                                 \
+  X(moe_unpermute, "moe.unpermute", MoeUnpermuteSig, "torch,triton")                           \
+  X(moe_permute_backward, "moe.permute_backward", MoePermuteBackwardSig, "torch,triton")       \
+  X(moe_unpermute_backward, "moe.unpermute_backward", MoeUnpermuteBackwardSig, "torch")
+
 // The typed slots, for installing implementations with compile-time checked
 // signatures (e.g. `ops::grad_norm_op().install("mine", &my_norm)`).
+#define LEANSTEP_DECLARE_OP_SLOT(slot, name, Sig, devices) dispatch::Op<Sig>& slot##_op();
+LEANSTEP_OPS(LEANSTEP_DECLARE_OP_SLOT)
+#undef LEANSTEP_DECLARE_OP_SLOT
 
-dispatch::Op<GradNormSig>& grad_norm_op();
-dispatch::Op<GradUnscaleNormSig>& grad_unscale_norm_op();
-dispatch::Op<GradClipSig>& grad_clip_op();
-dispatch::Op<GradNormClipSig>& grad_norm_clip_op();
-dispatch::Op<GradScaleSig>& grad_scale_op();
-dispatch::Op<GradCountZerosSig>& grad_count_zeros_op();
-dispatch::Op<GradMultiTensorScaleSig>& grad_multi_tensor_scale_op();
-dispatch::Op<RmsnormForwardSig>& rmsnorm_forward_op();
-dispatch::Op<RmsnormBackwardSig>& rmsnorm_backward_op();
-dispatch::Op<MoePermuteSig>& moe_permute_op();
-dispatch::Op<MoeUnpermuteSig>& moe_unpermute_op();
-dispatch::Op<MoePermuteBackwardSig>& moe_permute_backward_op();
-dispatch::Op<MoeUnpermuteBackwardSig>& moe_unpermute_backward_op();
+#define LEANSTEP_COUNT_OP(...) +1
+inline constexpr size_t kNumOps = 0 LEANSTEP_OPS(LEANSTEP_COUNT_OP);
+#undef LEANSTEP_COUNT_OP
+
+struct OpEntry {
+  const char* name;             // "grad.norm"
+  const char* device_backends;  // "torch,triton": the Python package's device implementations
+  dispatch::OpBase& (*slot)();  // the slot (created on first use)
+};
+// The table's rows, in table order.
+const std::array<OpEntry, kNumOps>& op_table();
 
 // ---------------------------------------------------------------- entry points
 

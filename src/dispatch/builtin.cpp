@@ -1,5 +1,6 @@
 // The process-wide registry and the list of built-in ops.
 #include "dispatch/builtin.h"
+#include "leanstep/ops.h"
 
 namespace leanstep::dispatch {
 
@@ -17,10 +18,20 @@ Registry& registry() {
 namespace detail {
 
 void register_builtin_ops(Registry& reg) {
-  register_grad_ops(reg);
-  register_rmsnorm_ops(reg);
-  register_moe_ops(reg);
+  for (const ops::OpEntry& entry : ops::op_table()) reg.add(entry.slot());
 }
 
 }  // namespace detail
 }  // namespace leanstep::dispatch
+
+namespace leanstep::ops {
+
+const std::array<OpEntry, kNumOps>& op_table() {
+#define LEANSTEP_OP_ENTRY(slot, name, Sig, devices) \
+  OpEntry{name, devices, [] () -> dispatch::OpBase& { return slot##_op(); }},
+  static const std::array<OpEntry, kNumOps> table = {{LEANSTEP_OPS(LEANSTEP_OP_ENTRY)}};
+#undef LEANSTEP_OP_ENTRY
+  return table;
+}
+
+}  // namespace leanstep::ops

@@ -5,12 +5,7 @@
 
 namespace leanstep::dispatch::detail {
 
-// Adds every built-in op to `reg` (called once, by registry()).
+// Adds every op of the table (leanstep/ops.h) to `reg` (called once, by registry()).
 void register_builtin_ops(Registry& reg);
-
-// One per area (src/dispatch/ops_<area>.cpp).
-void register_grad_ops(Registry& reg);
-void register_rmsnorm_ops(Registry& reg);
-void register_moe_ops(Registry& reg);
 
 }  // namespace leanstep::dispatch::detail

@@ -1,5 +1,4 @@
 // The gradient engine's ops: per-tensor reference, fused plan-based fast path.
-#include "dispatch/builtin.h"
 #include "grad/reference.h"
 #include "leanstep/ops.h"
 
@@ -154,16 +153,3 @@ void grad_multi_tensor_scale(std::span<const Tensor> in, std::span<const Tensor>
 
 }  // namespace leanstep::ops
 
-namespace leanstep::dispatch::detail {
-
-void register_grad_ops(Registry& reg) {
-  reg.add(ops::grad_norm_op());
-  reg.add(ops::grad_unscale_norm_op());
-  reg.add(ops::grad_clip_op());
-  reg.add(ops::grad_norm_clip_op());
-  reg.add(ops::grad_scale_op());
-  reg.add(ops::grad_count_zeros_op());
-  reg.add(ops::grad_multi_tensor_scale_op());
-}
-
-}  // namespace leanstep::dispatch::detail

@@ -1,5 +1,4 @@
 // MoE permutation ops: the "sort" method is the reference, "fused" the fast path.
-#include "dispatch/builtin.h"
 #include "leanstep/ops.h"
 
 namespace leanstep::ops {
@@ -84,13 +83,3 @@ void moe_unpermute_backward(const Tensor& dout, const Tensor& permuted, const Te
 
 }  // namespace leanstep::ops
 
-namespace leanstep::dispatch::detail {
-
-void register_moe_ops(Registry& reg) {
-  reg.add(ops::moe_permute_op());
-  reg.add(ops::moe_unpermute_op());
-  reg.add(ops::moe_permute_backward_op());
-  reg.add(ops::moe_unpermute_backward_op());
-}
-
-}  // namespace leanstep::dispatch::detail

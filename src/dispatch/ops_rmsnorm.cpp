@@ -2,7 +2,6 @@
 // backward, with the rmsnorm area's decision function as guard input.
 #include <fmt/format.h>
 
-#include "dispatch/builtin.h"
 #include "leanstep/ops.h"
 
 namespace leanstep::ops {
@@ -109,11 +108,3 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, con
 
 }  // namespace leanstep::ops
 
-namespace leanstep::dispatch::detail {
-
-void register_rmsnorm_ops(Registry& reg) {
-  reg.add(ops::rmsnorm_forward_op());
-  reg.add(ops::rmsnorm_backward_op());
-}
-
-}  // namespace leanstep::dispatch::detail

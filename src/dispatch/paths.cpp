@@ -1,9 +1,15 @@
 // The `leanstep paths` report: text for people, JSON for machines.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "leanstep/dispatch.h"
+#include "leanstep/ops.h"
 
 namespace leanstep::dispatch {
 
@@ -16,6 +22,22 @@ std::string reasons_text(const std::map<std::string, uint64_t>& reasons) {
   return s;
 }
 
+// The device backends the op table declares for `op` (empty for ops that are
+// not in the table, e.g. a test registry's).
+std::vector<std::string> device_backends(const std::string& op) {
+  std::vector<std::string> out;
+  for (const ops::OpEntry& entry : ops::op_table()) {
+    if (op != entry.name) continue;
+    std::string_view list = entry.device_backends;
+    while (!list.empty()) {
+      const size_t comma = list.find(',');
+      out.emplace_back(list.substr(0, comma));
+      list = comma == std::string_view::npos ? std::string_view{} : list.substr(comma + 1);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string paths_text(const Registry& reg) {
@@ -24,6 +46,9 @@ std::string paths_text(const Registry& reg) {
     out += fmt::format("\n{}  {}  [sig {:016x}]\n", op.name, op.signature, op.signature_hash);
     out += fmt::format("  fast paths: {}\n", op.enabled ? "enabled" : "disabled by the preset");
     out += fmt::format("  reference: {}\n", op.reference);
+    if (const auto devices = device_backends(op.name); !devices.empty())
+      out += fmt::format("  device backends (Python package, tensors on a device): {}\n",
+                         fmt::join(devices, ", "));
     for (const ImplInfo& impl : op.impls) {
       out += fmt::format("  {} {}  ({}{})\n", impl.installed ? (impl.active ? "*" : "+") : "-",
                          impl.name, impl.installed ? "installed" : "not installed",
@@ -68,12 +93,19 @@ std::string paths_json(const Registry& reg) {
                        {"calls", s.calls},
                        {s.name == op.reference ? "ran_because" : "declined", reasons}});
     }
+    // Implementations per backend: cpu (this registry) and the device backends.
+    nlohmann::json backends = nlohmann::json::object();
+    nlohmann::json cpu = nlohmann::json::array({op.reference});
+    for (const ImplInfo& impl : op.impls) cpu.push_back(impl.name);
+    backends["cpu"] = cpu;
+    for (const std::string& device : device_backends(op.name)) backends[device] = {device};
     ops.push_back({{"op", op.name},
                    {"signature", op.signature},
                    {"signature_hash", fmt::format("{:016x}", op.signature_hash)},
                    {"reference", op.reference},
                    {"fast_paths_enabled", op.enabled},
                    {"implementations", impls},
+                   {"backends", backends},
                    {"stats", stats}});
   }
   nlohmann::json doc = {{"preset", reg.preset()}, {"abi_version", kAbiVersion}, {"ops", ops}};

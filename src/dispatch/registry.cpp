@@ -210,6 +210,26 @@ std::vector<std::string> OpBase::installed() const {
   return names;
 }
 
+std::vector<std::string> OpBase::known() const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::string> names;
+  for (const auto& r : known_) names.push_back(r->name);
+  return names;
+}
+
+std::pair<GenericFn, GenericFn> OpBase::entry(std::string_view impl_name) const {
+  if (impl_name == reference_name_) return {reference_, nullptr};
+  std::lock_guard lock(mutex_);
+  std::string names = reference_name_;
+  for (const auto& r : known_) {
+    if (r->name == impl_name) return {r->fn, r->guard};
+    names += ", " + r->name;
+  }
+  throw_arg_error("dispatch::call_impl", "impl_name",
+                  fmt::format("must name the reference or an implementation known to op '{}' ({}); got '{}'",
+                              name_, names, impl_name));
+}
+
 std::string OpBase::active() const {
   std::lock_guard lock(mutex_);
   return enabled_ && !stack_.empty() ? stack_.back()->name : std::string();
