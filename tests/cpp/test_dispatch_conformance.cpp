@@ -153,8 +153,8 @@ Outputs make_outputs(O&&... o) {
   return v;
 }
 
-Output bitwise(std::string name, const Tensor& t) { return Output{std::move(name), copy_of(t), 0}; }
-Output within(std::string name, const Tensor& t, double rel_ulps) { return Output{std::move(name), copy_of(t), rel_ulps}; }
+Output bitwise(std::string name, const Tensor& t) { return Output{std::move(name), copy_of(t), 0, {}}; }
+Output within(std::string name, const Tensor& t, double rel_ulps) { return Output{std::move(name), copy_of(t), rel_ulps, {}}; }
 Output bounded(std::string name, const Tensor& t, std::vector<double> bound) {
   return Output{std::move(name), copy_of(t), 0, std::move(bound)};
 }

@@ -79,6 +79,22 @@ def test_every_op_lists_its_implementations_per_backend():
     assert leanstep.paths()["ops"]["moe.permute"]["calls"] == {"torch": {"cpu": 1}}
 
 
+def test_the_cpp_op_table_and_the_python_backends_agree():
+    """The C++ op table (include/leanstep/ops.h) declares each op's device
+    backends for `leanstep paths`; the Python package is what implements them."""
+    import json
+
+    from leanstep.backends import IMPLEMENTATIONS
+
+    table = json.loads(leanstep._leanstep.dispatch_paths_json())["ops"]
+    assert table, "no ops in the C++ registry"
+    for op in table:
+        declared = set(op["backends"]) - {"cpu"}
+        implemented = {backend for backend, ops in IMPLEMENTATIONS.items() if op["op"] in ops}
+        assert declared == implemented, op["op"]
+        assert op["backends"]["cpu"][0] == op["reference"]
+
+
 def test_moe_calls_go_through_the_registry_unless_a_method_is_forced(torch_gen):
     routing_map = torch.rand(16, 4, generator=torch_gen) < 0.5
     tokens = torch.randn(16, 8, generator=torch_gen)
