@@ -1,4 +1,6 @@
-// Per-target SIMD helpers for bf16, shared by every Highway kernel file.
+// Per-target SIMD dtype IO (fp32 and bf16 arrays read as fp32 lanes and
+// written back rounded once), shared by every Highway kernel file: the one
+// place bf16 loads and stores are written.
 // Include after "hwy/highway.h" in a file compiled through foreach_target.h;
 // the toggle guard below re-includes this header once per target.
 //
@@ -13,6 +15,7 @@
 #endif
 
 #include "hwy/highway.h"
+#include "leanstep/core.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace leanstep::simd::HWY_NAMESPACE {
@@ -44,6 +47,28 @@ HWY_INLINE hn::Vec<DF> LoadBF16(DF df, const uint16_t* HWY_RESTRICT src) {
   const hn::Rebind<uint16_t, DF> du16;
   const hn::Rebind<uint32_t, DF> du32;
   return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, src))));
+}
+
+// Lanes(df) elements i.. of a fp32 or bf16 array, as fp32 (exact).
+template <DType kT, class DF>
+HWY_INLINE hn::Vec<DF> LoadAsF32(DF df, const void* base, int64_t i) {
+  static_assert(kT == DType::kFloat32 || kT == DType::kBFloat16);
+  if constexpr (kT == DType::kFloat32) {
+    return hn::LoadU(df, static_cast<const float*>(base) + i);
+  } else {
+    return LoadBF16(df, static_cast<const uint16_t*>(base) + i);
+  }
+}
+
+// Stores fp32 lanes as elements i.. of a fp32 or bf16 array (rounded once).
+template <DType kT, class DF>
+HWY_INLINE void StoreFromF32(DF df, hn::Vec<DF> v, void* base, int64_t i) {
+  static_assert(kT == DType::kFloat32 || kT == DType::kBFloat16);
+  if constexpr (kT == DType::kFloat32) {
+    hn::StoreU(v, df, static_cast<float*>(base) + i);
+  } else {
+    StoreBF16(df, v, static_cast<uint16_t*>(base) + i);
+  }
 }
 
 }  // namespace leanstep::simd::HWY_NAMESPACE

@@ -21,7 +21,8 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 #if HWY_TARGET != HWY_SCALAR
 
-using leanstep::simd::HWY_NAMESPACE::F32ToBF16Bits;  // src/core/bf16-inl.h
+using leanstep::simd::HWY_NAMESPACE::LoadBF16;  // src/core/bf16-inl.h: the dtype IO
+using leanstep::simd::HWY_NAMESPACE::StoreBF16;
 
 // Element access per dtype: load N lanes as fp32, store fp32 lanes rounded once.
 struct F32Io {
@@ -38,16 +39,9 @@ struct F32Io {
 struct BF16Io {
   using T = uint16_t;
   template <class DF>
-  static HWY_INLINE hn::Vec<DF> Load(DF df, const T* p) {
-    const hn::Rebind<uint16_t, DF> du16;
-    const hn::Rebind<uint32_t, DF> du32;
-    return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, p))));
-  }
+  static HWY_INLINE hn::Vec<DF> Load(DF df, const T* p) { return LoadBF16(df, p); }  // src/core/bf16-inl.h
   template <class DF>
-  static HWY_INLINE void Store(DF df, hn::Vec<DF> v, T* p) {
-    const hn::Rebind<uint16_t, DF> du16;
-    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(hn::RebindToSigned<DF>(), F32ToBF16Bits(df, v))), du16, p);
-  }
+  static HWY_INLINE void Store(DF df, hn::Vec<DF> v, T* p) { StoreBF16(df, v, p); }
   static float ToF(T x) { return bf16_to_float(x); }
   static T FromF(float x) { return float_to_bf16(x); }
   static constexpr bool kNarrow = true;

@@ -33,28 +33,12 @@ constexpr size_t kPad = HWY_MAX_BYTES / sizeof(float);  // room for one vector o
 
 template <DType kT, class DF>
 HWY_INLINE hn::Vec<DF> LoadF32(DF df, const void* base, int64_t i) {
-  if constexpr (kT == DType::kFloat32) {
-    return hn::LoadU(df, static_cast<const float*>(base) + i);
-  } else {
-    static_assert(kT == DType::kBFloat16);
-    const hn::Rebind<uint16_t, DF> du16;
-    const hn::Rebind<uint32_t, DF> du32;
-    const auto w = hn::PromoteTo(du32, hn::LoadU(du16, static_cast<const uint16_t*>(base) + i));
-    return hn::BitCast(df, hn::ShiftLeft<16>(w));
-  }
+  return leanstep::simd::HWY_NAMESPACE::LoadAsF32<kT>(df, base, i);  // src/core/bf16-inl.h
 }
-
-using leanstep::simd::HWY_NAMESPACE::F32ToBF16Bits;  // src/core/bf16-inl.h
 
 template <DType kT, class DF>
 HWY_INLINE void StoreF32(DF df, hn::Vec<DF> v, void* base, int64_t i) {
-  if constexpr (kT == DType::kFloat32) {
-    hn::StoreU(v, df, static_cast<float*>(base) + i);
-  } else {
-    const hn::Rebind<uint16_t, DF> du16;
-    const hn::RebindToSigned<DF> di32;
-    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, F32ToBF16Bits(df, v))), du16, static_cast<uint16_t*>(base) + i);
-  }
+  leanstep::simd::HWY_NAMESPACE::StoreFromF32<kT>(df, v, base, i);
 }
 
 // Row tails: the last n < lanes elements go through the same vector code on a
