@@ -5,8 +5,8 @@
 
 #include <memory>
 
-#include "grad/model_layouts.h"
-#include "grad/reference.h"
+#include "fixtures/model_layouts.h"
+#include "leanstep/grad.h"
 #include "leanstep/buffer.h"
 #include "leanstep/grad.h"
 #include "leanstep/layout.h"
@@ -22,7 +22,7 @@ struct Fixture {
   Fixture() {
     layout::LayoutOptions o;
     o.distributed_optimizer = true;
-    for (const auto& b : layout::build_ddp_buffers(grad::models::qwen3_omni_lora_rank_params(2), o)) {
+    for (const auto& b : layout::build_ddp_buffers(fixtures::qwen3_omni_lora_rank_params(2), o)) {
       storage.emplace_back(DType::kFloat32, std::vector<int64_t>{b.numel});
       float* p = storage.back().data_as<float>();
       for (int64_t i = 0; i < b.numel; ++i) p[i] = static_cast<float>((i * 2654435761u) % 1000) * 1e-3f - 0.5f;

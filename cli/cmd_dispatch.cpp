@@ -11,7 +11,7 @@
 #include <thread>
 
 #include "commands.h"
-#include "core/bench.h"
+#include "leanstep/bench.h"
 #include "leanstep/buffer.h"
 #include "leanstep/dispatch.h"
 #include "leanstep/ops.h"

@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "commands.h"
-#include "core/bench.h"
-#include "grad/model_layouts.h"
-#include "grad/reference.h"
+#include "leanstep/bench.h"
+#include "fixtures/model_layouts.h"
+#include "leanstep/grad.h"
 #include "leanstep/buffer.h"
 #include "leanstep/grad.h"
 #include "leanstep/layout.h"
@@ -71,7 +71,7 @@ BenchLayout make_layout(std::string name, std::string source, const std::vector<
 
 // Layout (a). The LoRA planner (leanstep::lora) gives the adapters of EP rank 0
 // from the model config when the config file is at hand; otherwise the same
-// dimensions, hard-coded in grad::models, are used.
+// dimensions, hard-coded in leanstep::fixtures, are used.
 std::vector<layout::ParamSpec> qwen3_omni_lora_params(const std::string& config_path, std::string& source) {
   if (std::filesystem::exists(config_path)) {
     const lora::ModelConfig config = lora::load_model_config(config_path);
@@ -88,7 +88,7 @@ std::vector<layout::ParamSpec> qwen3_omni_lora_params(const std::string& config_
     return params;
   }
   source = "built-in Qwen3-Omni-30B-A3B thinker dims (config file not found: " + config_path + ")";
-  return grad::models::qwen3_omni_lora_rank_params(8, 8);
+  return fixtures::qwen3_omni_lora_rank_params(8, 8);
 }
 
 BenchLayout lora_layout(const GradBenchOptions& o) {
@@ -107,7 +107,7 @@ BenchLayout dense_layout() {
   lo.dp_size = 6;  // bucket ends padded to lcm(6, 128) = 384 elements
   lo.bucket_size = 40'000'000;
   return make_layout("dense-101m-fp32-distopt-dp6", "built-in GPT-style 101M (hidden 1024, 6 layers, vocab 25000)",
-                     grad::models::dense_100m_params(), lo);
+                     fixtures::dense_100m_params(), lo);
 }
 
 struct Result {

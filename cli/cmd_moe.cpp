@@ -12,8 +12,7 @@
 #include <vector>
 
 #include "commands.h"
-#include "core/bench.h"
-#include "core/parallel.h"
+#include "leanstep/bench.h"
 #include "leanstep/buffer.h"
 #include "leanstep/moe.h"
 #include "output.h"
@@ -99,11 +98,14 @@ void run_moe_bench(const MoeBenchOptions& o) {
     // The same bytes as the permuted rows, copied by all threads (the floor, measured per case).
     ops.push_back({"copy", "memcpy", copy_bytes, [&] {
                      const size_t row_bytes = static_cast<size_t>(H) * dtype_size(dtype);
-                     leanstep::detail::parallel_chunks(N, 1024, [&](int64_t, int64_t begin, int64_t end) {
+                     const int64_t blocks = (N + 1023) / 1024;
+#pragma omp parallel for schedule(static)
+                     for (int64_t b = 0; b < blocks; ++b) {
+                       const int64_t begin = b * 1024, end = std::min<int64_t>(N, begin + 1024);
                        std::memcpy(static_cast<char*>(copy_dst.data()) + static_cast<size_t>(begin) * row_bytes,
                                    static_cast<const char*>(permuted.data()) + static_cast<size_t>(begin) * row_bytes,
                                    static_cast<size_t>(end - begin) * row_bytes);
-                     });
+                     }
                    }});
     for (const Op& op : ops) {
       progress.step(fmt::format("{} {} {}", case_name, op.op, op.variant));

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "commands.h"
-#include "core/bench.h"
+#include "leanstep/bench.h"
 #include "leanstep/buffer.h"
 #include "leanstep/rmsnorm.h"
 #include "output.h"

@@ -10,8 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/bench.h"
-#include "core/table.h"
+#include "leanstep/bench.h"
+#include "leanstep/table.h"
 
 namespace leanstep::cli {
 

@@ -20,7 +20,7 @@
 
 #include "arrays.h"
 #include "bindings.h"
-#include "grad/model_layouts.h"
+#include "fixtures/model_layouts.h"
 
 namespace leanstep::py {
 namespace {
@@ -268,8 +268,8 @@ void bind_grad(nb::module_& m) {
       "grad_model_params",
       [](const std::string& model, int lora_rank, int expert_parallel) {
         std::vector<layout::ParamSpec> specs;
-        if (model == "qwen3_omni_lora") specs = grad::models::qwen3_omni_lora_rank_params(lora_rank, expert_parallel);
-        else if (model == "dense_100m") specs = grad::models::dense_100m_params();
+        if (model == "qwen3_omni_lora") specs = fixtures::qwen3_omni_lora_rank_params(lora_rank, expert_parallel);
+        else if (model == "dense_100m") specs = fixtures::dense_100m_params();
         else throw_arg_error("grad_model_params", "model",
                              "must be 'qwen3_omni_lora' or 'dense_100m' (got '" + model + "')");
         nb::list out;

@@ -12,7 +12,7 @@
 #include <leanstep/core.h>
 #include <leanstep/host_memory.h>
 
-#include "core/bench.h"
+#include "leanstep/bench.h"
 
 #include "arrays.h"
 #include "bindings.h"

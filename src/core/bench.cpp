@@ -1,4 +1,4 @@
-#include "core/bench.h"
+#include "leanstep/bench.h"
 
 #include <omp.h>
 

@@ -1,4 +1,4 @@
-#include "core/table.h"
+#include "leanstep/table.h"
 
 #include <fmt/format.h>
 

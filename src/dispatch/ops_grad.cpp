@@ -1,5 +1,5 @@
 // The gradient engine's ops: per-tensor reference, fused plan-based fast path.
-#include "grad/reference.h"
+#include "leanstep/grad.h"
 #include "leanstep/ops.h"
 
 namespace leanstep::ops {

@@ -1,6 +1,6 @@
 // Per-tensor reference path (see reference.h). Deliberately plain: one
 // element at a time, one dispatch and one host read per tensor.
-#include "grad/reference.h"
+#include "leanstep/grad.h"
 
 #include <fmt/format.h>
 

@@ -11,7 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "leanstep/core.h"
-#include "core/table.h"
+#include "leanstep/table.h"
 #include "leanstep/stats.h"
 #include "stats/util.h"
 

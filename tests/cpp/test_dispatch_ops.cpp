@@ -11,7 +11,7 @@
 #include <cstring>
 #include <random>
 
-#include "grad/reference.h"
+#include "leanstep/grad.h"
 #include "leanstep/buffer.h"
 #include "leanstep/ops.h"
 #include "test_util.h"

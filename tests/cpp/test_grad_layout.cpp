@@ -1,6 +1,6 @@
 // Layout builder: Megatron-Core DDP buffer placement, computed by hand here.
 #include "grad_util.h"
-#include "grad/model_layouts.h"
+#include "fixtures/model_layouts.h"
 #include "leanstep/layout.h"
 
 namespace leanstep {
@@ -95,7 +95,7 @@ TEST(GradLayout, OwnBucketParamAndGroupsByDtypeAndExpert) {
 }
 
 TEST(GradLayout, ModelLayoutsHaveTheExpectedSizes) {
-  const auto lora = grad::models::qwen3_omni_lora_rank_params();
+  const auto lora = fixtures::qwen3_omni_lora_rank_params();
   EXPECT_EQ(lora.size(), 48u * (2 + 16 * 4));
   int64_t n = 0;
   for (const auto& p : lora) n += p.shape[0] * p.shape[1];
@@ -104,7 +104,7 @@ TEST(GradLayout, ModelLayoutsHaveTheExpectedSizes) {
   o.distributed_optimizer = true;
   o.dp_size = 6;
   o.bucket_size = 40'000'000;
-  const auto dense = layout::build_buffer_layout(grad::models::dense_100m_params(), o);
+  const auto dense = layout::build_buffer_layout(fixtures::dense_100m_params(), o);
   EXPECT_GT(dense.numel_unpadded, 95'000'000);
   EXPECT_LT(dense.numel_unpadded, 105'000'000);
   EXPECT_GE(dense.buckets.size(), 2u);

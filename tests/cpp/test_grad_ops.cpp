@@ -11,8 +11,8 @@
 #include <limits>
 #include <map>
 
-#include "grad/model_layouts.h"
-#include "grad/reference.h"
+#include "fixtures/model_layouts.h"
+#include "leanstep/grad.h"
 #include "grad_util.h"
 #include "leanstep/grad.h"
 #include "leanstep/layout.h"
@@ -358,7 +358,7 @@ TEST(GradOps, DeterministicForAnyThreadCount) {
 TEST(GradOps, NormAndClipOn3000TensorsMakeFewDispatchesAndNoHostReads) {
   layout::LayoutOptions o;
   o.distributed_optimizer = true;
-  const auto buffers = layout::build_ddp_buffers(grad::models::qwen3_omni_lora_rank_params(/*lora_rank=*/1), o);
+  const auto buffers = layout::build_ddp_buffers(fixtures::qwen3_omni_lora_rank_params(/*lora_rank=*/1), o);
   std::vector<Buffer> storage;
   std::vector<Tensor> views;
   std::mt19937_64 rng(test_seed());

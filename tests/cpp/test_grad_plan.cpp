@@ -2,7 +2,7 @@
 #include <algorithm>
 #include <numeric>
 
-#include "grad/model_layouts.h"
+#include "fixtures/model_layouts.h"
 #include "grad_util.h"
 #include "leanstep/grad.h"
 #include "leanstep/layout.h"
@@ -65,7 +65,7 @@ TEST(GradPlan, QwenOmniLoraRankCoalescesIntoOneRegionPerBuffer) {
   layout::LayoutOptions o;
   o.distributed_optimizer = true;
   o.dp_size = 1;
-  const auto buffers = layout::build_ddp_buffers(grad::models::qwen3_omni_lora_rank_params(1), o);
+  const auto buffers = layout::build_ddp_buffers(fixtures::qwen3_omni_lora_rank_params(1), o);
   ASSERT_EQ(buffers.size(), 2u);
   std::vector<Buffer> storage;
   std::vector<Tensor> views;
