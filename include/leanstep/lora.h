@@ -189,6 +189,8 @@ struct Plan {
   std::string model_type;
   Parallel parallel;
   int64_t lora_rank = 0;
+  DType dtype = DType::kBFloat16;  // adapter parameter dtype
+  LayerNumbering numbering = LayerNumbering::kGlobal;
   std::vector<std::string> targets;
   Scope scope = Scope::kLanguage;
   int64_t local_experts = 0;
@@ -218,6 +220,12 @@ Plan plan(const ModelConfig& config, const PlanOptions& options);
 // lora_rank, targets, ranks[{pp_stage, tp_rank, ep_rank, modules, tensors,
 // params, memory_bytes, layout[{name, shape, dtype}]}]}, compact, one line.
 std::string plan_to_json(const Plan& plan);
+
+// The `leanstep lora plan` report for people: the settings, one table per
+// distinct stage shape (module patterns, adapter shapes, counts), per-rank
+// totals with optimizer memory, and the model totals. `source` names the
+// config in the title.
+std::string format_plan(const Plan& plan, std::string_view source);
 
 // ---------------------------------------------------------------- diff
 

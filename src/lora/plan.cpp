@@ -207,6 +207,8 @@ Plan plan(const ModelConfig& config, const PlanOptions& options) {
   p.model_type = config.model_type;
   p.parallel = par;
   p.lora_rank = options.lora_rank;
+  p.dtype = options.dtype;
+  p.numbering = options.numbering;
   p.targets = options.targets;
   p.scope = options.scope;
   p.local_experts = config.num_experts / par.ep;

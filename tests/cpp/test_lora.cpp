@@ -746,3 +746,18 @@ TEST(LoraDiff, FrameworkDumpFormat) {
   noshape[0]["layout"][0].erase("shape");
   EXPECT_LEANSTEP_ERROR(lora::read_rank_layouts(noshape, "dump"), "ranks[0].layout[0].shape is missing");
 }
+
+TEST(LoraPlan, FormatPlanIsTheReportOfThePlan) {
+  lora::ModelConfig c = lora::parse_model_config(tiny_moe(), "test");
+  lora::Plan p = lora::plan(c, options({"experts.linear_fc1", "linear_qkv"}, 2, {.tp = 2, .ep = 2}));
+  const std::string text = lora::format_plan(p, "tiny.json");
+  EXPECT_NE(text.find("parallel: tp 2, pp 1, ep 2, etp 1 -> 4 ranks; 2 local experts per EP rank"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("lora rank 2, adapter dtype bfloat16, layer index in names: global"), std::string::npos);
+  EXPECT_NE(text.find("stage 0: each of its ranks (tp 0-1 x ep 0-1) trains:"), std::string::npos) << text;
+  EXPECT_NE(text.find("mlp.experts.linear_fc1 (x2 local experts)"), std::string::npos) << text;
+  // Per-rank totals: 704 params (448 qkv + 256 experts, as counted above), 16 bytes each.
+  EXPECT_NE(text.find("704"), std::string::npos) << text;
+  EXPECT_NE(text.find("model: "), std::string::npos);
+  EXPECT_EQ(text.back(), '\n');
+}
