@@ -118,11 +118,6 @@ std::string rank_log_path(const std::string& path, int rank, int world) {
   return (p.parent_path() / fmt::format("{}.rank{}{}", p.stem().string(), rank, p.extension().string())).string();
 }
 
-struct Logged {
-  train::StepRecord step;
-  std::string run, condition, allocation;
-  int block = -1;
-};
 
 void run_train(const TrainOptions& o) {
   check_options(o);
@@ -210,88 +205,38 @@ void run_train(const TrainOptions& o) {
     writer = std::make_unique<stats::StepLogWriter>(path);
   }
 
-  std::vector<Logged> logged;
   // Progress on stderr (rank 0): rewritten in place on a terminal; otherwise
   // every 10th step, block starts and the last step of a run.
   const bool progress_on = lead && !o.json, progress_tty = isatty(2) != 0;
-  const int64_t total_steps = steps_per_run * num_runs;
-  int64_t done_steps = 0;
-  for (int run = 0; run < num_runs; ++run) {
-    // Every run of a crossover starts from the same state (same init or checkpoint).
-    if (run > 0) {
-      trainer = std::make_unique<train::Trainer>(cfg, topt);
-      if (!o.resume.empty()) trainer->load(o.resume);
-    }
-    const std::string run_name = plan ? plan->runs[static_cast<size_t>(run)].name : o.preset;
-    for (int64_t pos = 0; pos < steps_per_run; ++pos) {
-      Logged l;
-      l.run = run_name;
-      if (plan) {
-        const stats::PlannedStep ps = plan->at(run, pos);
-        if (trainer->preset() != ps.condition) trainer->set_preset(ps.condition);
-        l.condition = ps.condition;
-        l.block = ps.block;
-        l.allocation = plan->runs[static_cast<size_t>(run)].allocation;
-      } else {
-        l.condition = o.preset;
-      }
-      l.step = trainer->step();
-      if (writer) {
-        stats::StepRecord r;
-        r.run = l.run;
-        r.rank = rank;
-        r.step = l.step.step;
-        r.duration_s = l.step.duration_s;
-        r.condition = l.condition;
-        if (l.block >= 0) r.block = l.block;
-        r.loss = l.step.loss;
-        r.grad_norm = l.step.grad_norm;
-        r.allocation = l.allocation;
-        writer->write(r);
-      }
-      ++done_steps;
-      const bool show = progress_tty || pos % 10 == 0 || pos + 1 == steps_per_run ||
-                        (plan && pos > 0 && plan->at(run, pos - 1).condition != l.condition);
-      if (progress_on && show) {
-        const std::string line = fmt::format("[{}/{}] {}{} step {} loss {:.4f} grad_norm {:.4f}{} {:.1f} ms", done_steps,
-                                             total_steps, plan ? run_name + " " : "", l.condition, l.step.step,
-                                             l.step.loss, l.step.grad_norm,
-                                             l.step.skipped ? " (skipped: found_inf)" : "", l.step.duration_s * 1e3);
-        if (progress_tty) std::fprintf(stderr, "\r\033[K%s", line.c_str());
-        else std::fprintf(stderr, "%s\n", line.c_str());
-        std::fflush(stderr);
-      }
-      logged.push_back(std::move(l));
-    }
-  }
+  train::RunOptions ro;
+  ro.plan = plan ? &*plan : nullptr;
+  ro.steps = steps_per_run;
+  ro.preset = o.preset;
+  ro.log = writer.get();
+  ro.on_step = [&](const train::RunStep& s) {
+    const bool show = progress_tty || s.position % 10 == 0 || s.position + 1 == s.steps_per_run || s.condition_changed;
+    if (!progress_on || !show) return;
+    const std::string line = fmt::format("[{}/{}] {}{} step {} loss {:.4f} grad_norm {:.4f}{} {:.1f} ms", s.done,
+                                         s.total, plan ? s.run + " " : "", s.condition, s.step.step, s.step.loss,
+                                         s.step.grad_norm, s.step.skipped ? " (skipped: found_inf)" : "",
+                                         s.step.duration_s * 1e3);
+    if (progress_tty) std::fprintf(stderr, "\r\033[K%s", line.c_str());
+    else std::fprintf(stderr, "%s\n", line.c_str());
+    std::fflush(stderr);
+  };
+  auto make_trainer = [&] {
+    auto t = std::make_unique<train::Trainer>(cfg, topt);
+    if (!o.resume.empty()) t->load(o.resume);
+    return t;
+  };
+  train::RunResult run = train::run_crossover(make_trainer, ro, comm, std::move(trainer));
   if (progress_on && progress_tty) std::fprintf(stderr, "\r\033[K");
   if (!o.save.empty()) {
-    trainer->save(o.save);
+    run.trainer->save(o.save);
     if (lead) std::fprintf(stderr, "checkpoint written to %s/adapters.safetensors\n", o.save.c_str());
   }
-
-  // Every rank's durations to rank 0 (the step duration is the max over ranks).
-  const int64_t n = static_cast<int64_t>(logged.size());
-  std::vector<double> durations(static_cast<size_t>(n * world), 0.0);
-  for (int64_t i = 0; i < n; ++i) durations[static_cast<size_t>(rank * n + i)] = logged[static_cast<size_t>(i)].step.duration_s;
-  if (comm) comm->allreduce(Tensor(durations.data(), DType::kFloat64, {n * world}), comm::ReduceOp::kSum);
   if (!lead) return;
-  std::vector<stats::StepRecord> records;
-  for (int r = 0; r < world; ++r)
-    for (int64_t i = 0; i < n; ++i) {
-      const Logged& l = logged[static_cast<size_t>(i)];
-      stats::StepRecord s;
-      s.run = l.run;
-      s.rank = r;
-      s.step = l.step.step;
-      s.duration_s = durations[static_cast<size_t>(r * n + i)];
-      s.condition = l.condition;
-      if (l.block >= 0) s.block = l.block;
-      s.loss = l.step.loss;
-      s.grad_norm = l.step.grad_norm;
-      s.allocation = l.allocation;
-      records.push_back(std::move(s));
-    }
+  const std::vector<stats::StepRecord>& records = run.records;
   const auto summaries = stats::summarize(records, warmup, o.window);
   if (plan) {
     stats::CrossoverOptions co;
@@ -308,10 +253,10 @@ void run_train(const TrainOptions& o) {
     print_json_line(stats::summaries_to_json(summaries));
   } else {
     std::printf("%s", stats::format_summary_table(summaries).c_str());
-    if (!logged.empty()) {
-      const auto& last = logged.back().step;
+    if (!records.empty()) {
+      const auto& last = run.last;
       std::printf("final step %lld: loss %.4f, grad_norm %.4f (first step loss %.4f)\n",
-                  static_cast<long long>(last.step), last.loss, last.grad_norm, logged.front().step.loss);
+                  static_cast<long long>(last.step), last.loss, last.grad_norm, run.first.loss);
     }
   }
 }

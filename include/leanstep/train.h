@@ -11,11 +11,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "leanstep/core.h"
+#include "leanstep/stats.h"
 
 namespace leanstep::comm {
 class Communicator;
@@ -157,5 +159,47 @@ class Trainer {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// ---------------------------------------------------------------- runs and crossovers
+
+// What one step of a run reports to a progress callback (rank-local).
+struct RunStep {
+  std::string run, condition;  // the run's name, the step's dispatch preset
+  int block = -1;              // the crossover block, -1 without a plan
+  int64_t position = 0;        // step index within the run
+  int64_t steps_per_run = 0;
+  int64_t done = 0, total = 0; // steps done over all runs, of total
+  bool condition_changed = false;
+  StepRecord step;
+};
+
+struct RunOptions {
+  // A counterbalanced crossover: every run of the plan, each condition a block
+  // of steps. nullptr: one run of `steps` steps under `preset`.
+  const stats::CrossoverPlan* plan = nullptr;
+  int64_t steps = 0;
+  std::string preset = "all";
+  // This rank's step log (the caller names one file per rank), or nullptr.
+  stats::StepLogWriter* log = nullptr;
+  // Called after every step on this rank.
+  std::function<void(const RunStep&)> on_step;
+};
+
+struct RunResult {
+  // Every rank's steps (rank, step, duration, condition, block, loss, ...) on
+  // rank 0, gathered with one all-reduce; empty on the other ranks. A step's
+  // duration for comparisons is the max over its ranks (stats does that).
+  std::vector<stats::StepRecord> records;
+  StepRecord first, last;            // this rank's first and last step
+  std::unique_ptr<Trainer> trainer;  // the last run's trainer (to save a checkpoint)
+};
+
+// Runs the steps of `options` on this rank. `make_trainer` builds the trainer of
+// each run (every run of a crossover starts from the same state: the same init or
+// checkpoint); `first`, if given, is the first run's (already built, e.g. to print
+// what makes runs comparable before the first step). The preset switches between
+// steps when the plan's condition changes. Collective: every rank calls it.
+RunResult run_crossover(const std::function<std::unique_ptr<Trainer>()>& make_trainer, const RunOptions& options,
+                        comm::Communicator* comm = nullptr, std::unique_ptr<Trainer> first = nullptr);
 
 }  // namespace leanstep::train

@@ -374,3 +374,45 @@ TEST(Train, MissingRankFailsWithinTheTimeout) {
 }
 
 }  // namespace
+
+// The crossover runner: every run of the plan from the same state (a fresh
+// trainer each, the first one given), the plan's condition at every position,
+// every step recorded once with this rank's duration, and the same losses at
+// the same step of every run (the conditions agree within fp32, and equal
+// starts give equal data).
+TEST(Train, RunCrossoverRunsEveryPlannedStepFromTheSameState) {
+  const Config c = small_config();
+  const stats::CrossoverPlan plan = stats::plan_crossover({"baseline", "all"}, 2, 2, 1, {}, 1);
+  int made = 0;
+  auto make = [&] {
+    ++made;
+    return std::make_unique<Trainer>(c);
+  };
+  std::vector<RunStep> seen;
+  RunOptions o;
+  o.plan = &plan;
+  o.on_step = [&](const RunStep& s) { seen.push_back(s); };
+  RunResult r = run_crossover(make, o, nullptr, std::make_unique<Trainer>(c));
+  const int64_t per_run = plan.steps_per_run();
+  EXPECT_EQ(made, 1);  // the first run used the given trainer
+  ASSERT_EQ(r.records.size(), static_cast<size_t>(2 * per_run));
+  ASSERT_EQ(seen.size(), r.records.size());
+  for (size_t i = 0; i < r.records.size(); ++i) {
+    const int run = static_cast<int>(i / static_cast<size_t>(per_run));
+    const int64_t pos = static_cast<int64_t>(i % static_cast<size_t>(per_run));
+    EXPECT_EQ(r.records[i].run, plan.runs[static_cast<size_t>(run)].name);
+    EXPECT_EQ(r.records[i].condition, plan.at(run, pos).condition);
+    EXPECT_EQ(r.records[i].step, pos);  // every run starts at step 0
+    EXPECT_GT(r.records[i].duration_s, 0.0);
+    EXPECT_EQ(seen[i].done, static_cast<int64_t>(i) + 1);
+  }
+  for (int64_t pos = 0; pos < per_run; ++pos)
+    EXPECT_NEAR(*r.records[static_cast<size_t>(pos)].loss, *r.records[static_cast<size_t>(per_run + pos)].loss, 1e-4);
+  ASSERT_NE(r.trainer, nullptr);
+  EXPECT_EQ(r.trainer->next_step(), per_run);
+  EXPECT_EQ(r.last.step, per_run - 1);
+
+  RunOptions plain;
+  plain.steps = 0;
+  EXPECT_THROW(run_crossover(make, plain), Error);  // no steps and no plan
+}
