@@ -45,7 +45,7 @@
 // Version of the binary contract between this library and a separately built
 // backend: the layout of leanstep_dispatch_impl and of the types in signatures
 // (leanstep::Tensor, ...). Bump it whenever either changes.
-#define LEANSTEP_DISPATCH_ABI_VERSION 1u
+#define LEANSTEP_DISPATCH_ABI_VERSION 2u
 
 extern "C" {
 // One implementation of one op, as a backend library hands it over. Plain C
@@ -60,6 +60,8 @@ struct leanstep_dispatch_impl {
   void (*fn)(void);         // the entry point, cast from R(*)(Args...)
   void (*guard)(void);      // optional, cast from const char*(*)(Args...): NULL accepts all calls
   const char* guard_doc;    // optional, what the guard accepts (for `leanstep paths`)
+  int32_t device_type;      // the leanstep::DeviceType it runs (0: cpu, 1: cuda)
+  void (*workspace)(void);  // optional, cast from size_t(*)(Args...): bytes of workspace it uses
 };
 }
 
@@ -68,6 +70,28 @@ namespace leanstep::dispatch {
 inline constexpr uint32_t kAbiVersion = LEANSTEP_DISPATCH_ABI_VERSION;
 using ImplDescriptor = leanstep_dispatch_impl;
 using GenericFn = void (*)(void);
+
+// ---------------------------------------------------------------- the backend context
+
+// Scratch memory the caller lends a call. Transformer Engine's protocol:
+// Op::workspace_bytes(args...) says what the implementation that would run
+// uses; a call given at least that much (data, bytes) works in it instead of
+// allocating. Too little or none: the implementation allocates its own
+// (results never depend on it).
+struct Workspace {
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+// The last argument of every built-in op: where the call's tensors live (an
+// op keeps its candidates per device type; one with none for the device is an
+// Error naming it), the stream a device backend runs on (CPU implementations
+// have none) and the workspace.
+struct Context {
+  Device device{};
+  void* stream = nullptr;
+  Workspace workspace{};
+};
 
 // ---------------------------------------------------------------- signatures
 
@@ -127,6 +151,7 @@ LEANSTEP_DISPATCH_TYPE_NAME(std::string_view, "string_view");
 LEANSTEP_DISPATCH_TYPE_NAME(std::string, "string");
 LEANSTEP_DISPATCH_TYPE_NAME(leanstep::Tensor, "Tensor");
 LEANSTEP_DISPATCH_TYPE_NAME(leanstep::DType, "DType");
+LEANSTEP_DISPATCH_TYPE_NAME(leanstep::dispatch::Context, "dispatch::Context");
 
 namespace leanstep::dispatch {
 
@@ -142,6 +167,8 @@ struct Signature<R(Args...)> {
   // a reason (a string that lives for the whole program, e.g. a literal or
   // intern_reason(...)) to decline it.
   using Guard = const char* (*)(Args...);
+  // Bytes of workspace an implementation uses for these arguments.
+  using WorkspaceFn = size_t (*)(Args...);
   static std::string text() {
     std::string s = TypeName<R>::name() + "(";
     bool first = true;
@@ -165,8 +192,9 @@ struct ImplStatsView {
 
 struct ImplInfo {
   std::string name;
-  std::string origin;     // "built-in", "backend (ABI 1)", "user"
+  std::string origin;     // "built-in", "backend (ABI 2)", "user"
   std::string guard_doc;  // empty: accepts every call
+  std::string device;     // the device type it runs: "cpu", "cuda"
   bool installed = false;
   bool active = false;  // installed and enabled by the preset
 };
@@ -193,8 +221,22 @@ struct ImplStats;
 struct Candidate {
   GenericFn fn;
   GenericFn guard;
+  GenericFn workspace;  // null: uses none
+  DeviceType device;
   ImplStats* stats;  // owned by the op; never freed while the op lives
 };
+
+// The device type of a call: its Context argument's, else the CPU (ops
+// without a Context, such as test ops, run host memory).
+template <class... Args>
+DeviceType call_device(const Args&... args) {
+  DeviceType device = DeviceType::kCPU;
+  auto pick = [&](const auto& arg) {
+    if constexpr (std::is_same_v<std::remove_cvref_t<decltype(arg)>, Context>) device = arg.device.type;
+  };
+  (pick(args), ...);
+  return device;
+}
 struct Snapshot {
   std::vector<Candidate> candidates;  // in priority order
   const char* fallback_reason;        // why the reference runs when no candidate takes the call
@@ -270,7 +312,11 @@ class OpBase {
          GenericFn reference);
 
   InstallResult install_record(std::string_view impl_name, GenericFn fn, GenericFn guard,
-                               std::string guard_doc, std::string origin);
+                               std::string guard_doc, std::string origin, DeviceType device = DeviceType::kCPU,
+                               GenericFn workspace = nullptr);
+  // A call on `device` that no installed implementation for it takes: the
+  // reference runs host memory only.
+  [[noreturn]] void throw_no_implementation(DeviceType device) const;
 
   std::shared_ptr<const detail::Snapshot> snapshot() const { return snapshot_.load(); }
   // The entry point and guard of a known implementation or of the reference
@@ -287,6 +333,8 @@ class OpBase {
     std::string guard_doc;
     std::string origin;
     std::unique_ptr<detail::ImplStats> stats;
+    DeviceType device = DeviceType::kCPU;
+    GenericFn workspace = nullptr;
   };
   Record* find_record(std::string_view impl_name);
   void publish();  // rebuilds the snapshot from the stack; caller holds mutex_
@@ -359,11 +407,41 @@ class Op<R(Args...)> : public OpBase {
     return nullptr;
   }
 
+  // Installs an implementation for tensors on `device` (the other install
+  // forms are for the CPU), with an optional workspace query.
+  template <class F, class G = std::nullptr_t, class W = std::nullptr_t>
+    requires std::convertible_to<F, Fn> && (std::is_null_pointer_v<G> || std::convertible_to<G, Guard>) &&
+             (std::is_null_pointer_v<W> || std::convertible_to<W, typename Signature<Sig>::WorkspaceFn>)
+  InstallResult install_on(DeviceType device, std::string_view impl_name, F fn, G guard = nullptr,
+                           std::string guard_doc = "", W workspace = nullptr, std::string origin = "user") {
+    GenericFn g = nullptr, w = nullptr;
+    if constexpr (!std::is_null_pointer_v<G>) g = reinterpret_cast<GenericFn>(static_cast<Guard>(guard));
+    if constexpr (!std::is_null_pointer_v<W>)
+      w = reinterpret_cast<GenericFn>(static_cast<typename Signature<Sig>::WorkspaceFn>(workspace));
+    return install_record(impl_name, reinterpret_cast<GenericFn>(static_cast<Fn>(fn)), g, std::move(guard_doc),
+                          std::move(origin), device, w);
+  }
+
+  // Bytes of workspace the implementation a call with these arguments would
+  // run uses (0 for the reference and for implementations without a query).
+  size_t workspace_bytes(Args... args) const {
+    const DeviceType device = detail::call_device(args...);
+    const std::shared_ptr<const detail::Snapshot> snap = snapshot();
+    for (const detail::Candidate& c : snap->candidates) {
+      if (c.device != device) continue;
+      if (c.guard && reinterpret_cast<Guard>(c.guard)(args...)) continue;
+      return c.workspace ? reinterpret_cast<typename Signature<Sig>::WorkspaceFn>(c.workspace)(args...) : 0;
+    }
+    return 0;
+  }
+
   // The dispatched call. Arguments are passed on as lvalues (guards and
   // implementations take them by value or by reference).
   R operator()(Args... args) const {
+    const DeviceType device = detail::call_device(args...);
     const std::shared_ptr<const detail::Snapshot> snap = snapshot();
     for (const detail::Candidate& c : snap->candidates) {
+      if (c.device != device) continue;
       if (c.guard) {
         const char* reason = reinterpret_cast<Guard>(c.guard)(args...);
         if (reason) {
@@ -374,6 +452,7 @@ class Op<R(Args...)> : public OpBase {
       detail::count_call(c.stats);
       return reinterpret_cast<Fn>(c.fn)(args...);
     }
+    if (device != DeviceType::kCPU) throw_no_implementation(device);
     detail::count_call(reference_stats());
     detail::count_reason(reference_stats(), snap->fallback_reason);
     return reinterpret_cast<Fn>(reference_fn())(args...);
@@ -391,7 +470,8 @@ template <class Sig>
 ImplDescriptor make_descriptor(const char* op, const char* name, const std::string& signature_text,
                                typename Signature<Sig>::Fn fn,
                                typename Signature<Sig>::Guard guard = nullptr,
-                               const char* guard_doc = nullptr) {
+                               const char* guard_doc = nullptr, DeviceType device = DeviceType::kCPU,
+                               typename Signature<Sig>::WorkspaceFn workspace = nullptr) {
   return ImplDescriptor{kAbiVersion,
                         op,
                         name,
@@ -399,7 +479,9 @@ ImplDescriptor make_descriptor(const char* op, const char* name, const std::stri
                         signature_hash(signature_text),
                         reinterpret_cast<GenericFn>(fn),
                         reinterpret_cast<GenericFn>(guard),
-                        guard_doc};
+                        guard_doc,
+                        static_cast<int32_t>(device),
+                        reinterpret_cast<GenericFn>(workspace)};
 }
 
 // ---------------------------------------------------------------- registry

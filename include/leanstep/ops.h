@@ -50,35 +50,39 @@ namespace leanstep::ops {
 // ---------------------------------------------------------------- signatures
 
 using GradNormSig = void(const grad::Plan& plan, const Tensor& out_norm, double norm_type,
-                         const Tensor* found_inf, comm::Communicator* comm);
+                         const Tensor* found_inf, comm::Communicator* comm, const dispatch::Context& ctx);
 using GradUnscaleNormSig = void(const grad::Plan& plan, const Tensor& inv_scale, const Tensor& out_norm,
-                                const Tensor& found_inf, double norm_type, comm::Communicator* comm);
+                                const Tensor& found_inf, double norm_type, comm::Communicator* comm,
+                                const dispatch::Context& ctx);
 using GradClipSig = void(const grad::Plan& plan, const Tensor& total_norm, double max_norm,
-                         const Tensor* out_coeff);
+                         const Tensor* out_coeff, const dispatch::Context& ctx);
 using GradNormClipSig = void(const grad::Plan& plan, double max_norm, const Tensor& out_norm,
                              double norm_type, const Tensor* found_inf, const Tensor* out_coeff,
-                             comm::Communicator* comm);
-using GradScaleSig = void(const grad::Plan& plan, const Tensor& scale);
-using GradCountZerosSig = void(const grad::Plan& plan, const Tensor& out_count, comm::Communicator* comm);
+                             comm::Communicator* comm, const dispatch::Context& ctx);
+using GradScaleSig = void(const grad::Plan& plan, const Tensor& scale, const dispatch::Context& ctx);
+using GradCountZerosSig = void(const grad::Plan& plan, const Tensor& out_count, comm::Communicator* comm,
+                               const dispatch::Context& ctx);
 using GradMultiTensorScaleSig = void(std::span<const Tensor> in, std::span<const Tensor> out,
-                                     const Tensor& scale, const Tensor& found_inf);
+                                     const Tensor& scale, const Tensor& found_inf, const dispatch::Context& ctx);
 
 using RmsnormForwardSig = void(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,
-                               const rmsnorm::Options& options, const rmsnorm::CallContext& context);
+                               const rmsnorm::Options& options, const rmsnorm::CallContext& context,
+                               const dispatch::Context& ctx);
 using RmsnormBackwardSig = void(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
                                 const Tensor& dx, const Tensor* dgamma, const rmsnorm::Options& options,
-                                const rmsnorm::CallContext& context);
+                                const rmsnorm::CallContext& context, const dispatch::Context& ctx);
 
 using MoePermuteSig = void(const Tensor& tokens, const Tensor& routing_map, const Tensor* probs,
                            std::optional<int64_t> num_out_tokens, bool drop_and_pad, const Tensor& permuted,
-                           const Tensor* permuted_probs, const Tensor& sorted_indices);
+                           const Tensor* permuted_probs, const Tensor& sorted_indices, const dispatch::Context& ctx);
 using MoeUnpermuteSig = void(const Tensor& permuted, const Tensor& sorted_indices, const Tensor& out,
-                             const Tensor* probs, const Tensor* routing_map, bool drop_and_pad);
+                             const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
+                             const dispatch::Context& ctx);
 using MoePermuteBackwardSig = void(const Tensor& dpermuted, const Tensor& sorted_indices,
-                                   const Tensor& dtokens);
+                                   const Tensor& dtokens, const dispatch::Context& ctx);
 using MoeUnpermuteBackwardSig = void(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices,
                                      const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
-                                     const Tensor& dpermuted, const Tensor* dprobs);
+                                     const Tensor& dpermuted, const Tensor* dprobs, const dispatch::Context& ctx);
 
 // ---------------------------------------------------------------- the op table
 // Every op, declared once: X(slot, "name", signature, "device backends").
@@ -121,38 +125,45 @@ struct OpEntry {
 const std::array<OpEntry, kNumOps>& op_table();
 
 // ---------------------------------------------------------------- entry points
+// Each takes the backend context last (default: host memory, no stream, no
+// workspace; see dispatch::Context).
 
 void grad_norm(const grad::Plan& plan, const Tensor& out_norm, double norm_type = 2.0,
-               const Tensor* found_inf = nullptr, comm::Communicator* comm = nullptr);
+               const Tensor* found_inf = nullptr, comm::Communicator* comm = nullptr,
+               const dispatch::Context& ctx = {});
 void grad_unscale_norm(const grad::Plan& plan, const Tensor& inv_scale, const Tensor& out_norm,
-                       const Tensor& found_inf, double norm_type = 2.0, comm::Communicator* comm = nullptr);
+                       const Tensor& found_inf, double norm_type = 2.0, comm::Communicator* comm = nullptr,
+                       const dispatch::Context& ctx = {});
 void grad_clip(const grad::Plan& plan, const Tensor& total_norm, double max_norm,
-               const Tensor* out_coeff = nullptr);
+               const Tensor* out_coeff = nullptr, const dispatch::Context& ctx = {});
 void grad_norm_clip(const grad::Plan& plan, double max_norm, const Tensor& out_norm, double norm_type = 2.0,
                     const Tensor* found_inf = nullptr, const Tensor* out_coeff = nullptr,
-                    comm::Communicator* comm = nullptr);
-void grad_scale(const grad::Plan& plan, const Tensor& scale);
-void grad_count_zeros(const grad::Plan& plan, const Tensor& out_count, comm::Communicator* comm = nullptr);
+                    comm::Communicator* comm = nullptr, const dispatch::Context& ctx = {});
+void grad_scale(const grad::Plan& plan, const Tensor& scale, const dispatch::Context& ctx = {});
+void grad_count_zeros(const grad::Plan& plan, const Tensor& out_count, comm::Communicator* comm = nullptr,
+                      const dispatch::Context& ctx = {});
 void grad_multi_tensor_scale(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,
-                             const Tensor& found_inf);
+                             const Tensor& found_inf, const dispatch::Context& ctx = {});
 
 // dgamma must be given exactly when context.weight_requires_grad (checked here,
 // before dispatch, so every implementation sees consistent arguments).
 void rmsnorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,
-                     const rmsnorm::Options& options = {}, const rmsnorm::CallContext& context = {});
+                     const rmsnorm::Options& options = {}, const rmsnorm::CallContext& context = {},
+                     const dispatch::Context& ctx = {});
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
                       const Tensor& dx, const Tensor* dgamma, const rmsnorm::Options& options = {},
-                      const rmsnorm::CallContext& context = {});
+                      const rmsnorm::CallContext& context = {}, const dispatch::Context& ctx = {});
 
 void moe_permute(const Tensor& tokens, const Tensor& routing_map, const Tensor* probs,
                  std::optional<int64_t> num_out_tokens, bool drop_and_pad, const Tensor& permuted,
-                 const Tensor* permuted_probs, const Tensor& sorted_indices);
+                 const Tensor* permuted_probs, const Tensor& sorted_indices, const dispatch::Context& ctx = {});
 void moe_unpermute(const Tensor& permuted, const Tensor& sorted_indices, const Tensor& out,
                    const Tensor* probs = nullptr, const Tensor* routing_map = nullptr,
-                   bool drop_and_pad = false);
-void moe_permute_backward(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens);
+                   bool drop_and_pad = false, const dispatch::Context& ctx = {});
+void moe_permute_backward(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens,
+                          const dispatch::Context& ctx = {});
 void moe_unpermute_backward(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices,
                             const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
-                            const Tensor& dpermuted, const Tensor* dprobs);
+                            const Tensor& dpermuted, const Tensor* dprobs, const dispatch::Context& ctx = {});
 
 }  // namespace leanstep::ops

@@ -58,6 +58,15 @@ void backward_reference(const Tensor& dy, const Tensor& x, const Tensor& rstd, c
                         const Tensor& dx, const Tensor* dgamma, const Options& options = {});
 void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
                     const Tensor& dx, const Tensor* dgamma, const Options& options = {});
+// The same with caller scratch: the trainable backward keeps its fp32 dgamma
+// partial rows there when `workspace_bytes` >= backward_fused_workspace_bytes
+// (else it allocates them). Results are identical either way.
+void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
+                    const Tensor& dx, const Tensor* dgamma, const Options& options, void* workspace,
+                    size_t workspace_bytes);
+// Bytes of scratch the fused backward uses for x: one fp32 row of H per fixed
+// chunk of rows when trainable, 0 when frozen.
+size_t backward_fused_workspace_bytes(const Tensor& x, bool trainable);
 
 // ---------------------------------------------------------------- feature delegation
 //

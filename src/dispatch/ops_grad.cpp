@@ -17,59 +17,59 @@ constexpr const char* kRegionsGuardDoc = "plans with at least one coalesced regi
 // ---- references: the per-tensor loop over the plan's listed views
 
 void norm_reference(const grad::Plan& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
-                    comm::Communicator* comm) {
+                    comm::Communicator* comm, const dispatch::Context&) {
   grad::reference::norm(plan.views(), out_norm, norm_type, found_inf, comm);
 }
 void unscale_norm_reference(const grad::Plan& plan, const Tensor& inv_scale, const Tensor& out_norm,
-                            const Tensor& found_inf, double norm_type, comm::Communicator* comm) {
+                            const Tensor& found_inf, double norm_type, comm::Communicator* comm, const dispatch::Context&) {
   grad::reference::unscale_norm(plan.views(), inv_scale, out_norm, found_inf, norm_type, comm);
 }
-void clip_reference(const grad::Plan& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff) {
+void clip_reference(const grad::Plan& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff, const dispatch::Context&) {
   grad::reference::clip(plan.views(), total_norm, max_norm, out_coeff);
 }
 void norm_clip_reference(const grad::Plan& plan, double max_norm, const Tensor& out_norm, double norm_type,
-                         const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm) {
+                         const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm, const dispatch::Context&) {
   grad::reference::norm_clip(plan.views(), max_norm, out_norm, norm_type, found_inf, out_coeff, comm);
 }
 // Like the frameworks' fallback: the scale is read on the host, then each view
 // is scaled in place in list order (a view listed twice is scaled twice).
-void scale_reference(const grad::Plan& plan, const Tensor& scale) {
+void scale_reference(const grad::Plan& plan, const Tensor& scale, const dispatch::Context&) {
   const float s = static_cast<float>(read_scalar(scale));
   float found = 0.0f;
   const Tensor found_inf(&found, DType::kFloat32, {1});
   grad::reference::multi_tensor_scale(plan.views(), plan.views(), s, found_inf);
 }
-void count_zeros_reference(const grad::Plan& plan, const Tensor& out_count, comm::Communicator* comm) {
+void count_zeros_reference(const grad::Plan& plan, const Tensor& out_count, comm::Communicator* comm, const dispatch::Context&) {
   grad::reference::count_zeros(plan.views(), out_count, comm);
 }
 void multi_tensor_scale_reference(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,
-                                  const Tensor& found_inf) {
+                                  const Tensor& found_inf, const dispatch::Context&) {
   grad::reference::multi_tensor_scale(in, out, static_cast<float>(read_scalar(scale)), found_inf);
 }
 
 // ---- fast paths (thin adapters: the area functions have default arguments)
 
 void norm_fused(const grad::Plan& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
-                comm::Communicator* comm) {
+                comm::Communicator* comm, const dispatch::Context&) {
   grad::norm(plan, out_norm, norm_type, found_inf, comm);
 }
 void unscale_norm_fused(const grad::Plan& plan, const Tensor& inv_scale, const Tensor& out_norm,
-                        const Tensor& found_inf, double norm_type, comm::Communicator* comm) {
+                        const Tensor& found_inf, double norm_type, comm::Communicator* comm, const dispatch::Context&) {
   grad::unscale_norm(plan, inv_scale, out_norm, found_inf, norm_type, comm);
 }
-void clip_fused(const grad::Plan& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff) {
+void clip_fused(const grad::Plan& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff, const dispatch::Context&) {
   grad::clip(plan, total_norm, max_norm, out_coeff);
 }
 void norm_clip_fused(const grad::Plan& plan, double max_norm, const Tensor& out_norm, double norm_type,
-                     const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm) {
+                     const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm, const dispatch::Context&) {
   grad::norm_clip(plan, max_norm, out_norm, norm_type, found_inf, out_coeff, comm);
 }
-void scale_fused(const grad::Plan& plan, const Tensor& scale) { grad::scale(plan, scale); }
-void count_zeros_fused(const grad::Plan& plan, const Tensor& out_count, comm::Communicator* comm) {
+void scale_fused(const grad::Plan& plan, const Tensor& scale, const dispatch::Context&) { grad::scale(plan, scale); }
+void count_zeros_fused(const grad::Plan& plan, const Tensor& out_count, comm::Communicator* comm, const dispatch::Context&) {
   grad::count_zeros(plan, out_count, comm);
 }
 void multi_tensor_scale_fused(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,
-                              const Tensor& found_inf) {
+                              const Tensor& found_inf, const dispatch::Context&) {
   grad::multi_tensor_scale(in, out, scale, found_inf);
 }
 
@@ -88,36 +88,36 @@ dispatch::Op<Sig>* make_op(const char* name, Fn reference, Fn fused, Guard guard
 // destructors elsewhere stay valid).
 dispatch::Op<GradNormSig>& grad_norm_op() {
   static auto* op = make_op<GradNormSig>("grad.norm", &norm_reference, &norm_fused,
-                                         &needs_regions<const Tensor&, double, const Tensor*, comm::Communicator*>,
+                                         &needs_regions<const Tensor&, double, const Tensor*, comm::Communicator*, const dispatch::Context&>,
                                          kRegionsGuardDoc);
   return *op;
 }
 dispatch::Op<GradUnscaleNormSig>& grad_unscale_norm_op() {
   static auto* op = make_op<GradUnscaleNormSig>(
       "grad.unscale_norm", &unscale_norm_reference, &unscale_norm_fused,
-      &needs_regions<const Tensor&, const Tensor&, const Tensor&, double, comm::Communicator*>, kRegionsGuardDoc);
+      &needs_regions<const Tensor&, const Tensor&, const Tensor&, double, comm::Communicator*, const dispatch::Context&>, kRegionsGuardDoc);
   return *op;
 }
 dispatch::Op<GradClipSig>& grad_clip_op() {
   static auto* op = make_op<GradClipSig>("grad.clip", &clip_reference, &clip_fused,
-                                         &needs_regions<const Tensor&, double, const Tensor*>, kRegionsGuardDoc);
+                                         &needs_regions<const Tensor&, double, const Tensor*, const dispatch::Context&>, kRegionsGuardDoc);
   return *op;
 }
 dispatch::Op<GradNormClipSig>& grad_norm_clip_op() {
   static auto* op = make_op<GradNormClipSig>(
       "grad.norm_clip", &norm_clip_reference, &norm_clip_fused,
-      &needs_regions<double, const Tensor&, double, const Tensor*, const Tensor*, comm::Communicator*>,
+      &needs_regions<double, const Tensor&, double, const Tensor*, const Tensor*, comm::Communicator*, const dispatch::Context&>,
       kRegionsGuardDoc);
   return *op;
 }
 dispatch::Op<GradScaleSig>& grad_scale_op() {
   static auto* op = make_op<GradScaleSig>("grad.scale", &scale_reference, &scale_fused,
-                                          &needs_regions<const Tensor&>, kRegionsGuardDoc);
+                                          &needs_regions<const Tensor&, const dispatch::Context&>, kRegionsGuardDoc);
   return *op;
 }
 dispatch::Op<GradCountZerosSig>& grad_count_zeros_op() {
   static auto* op = make_op<GradCountZerosSig>("grad.count_zeros", &count_zeros_reference, &count_zeros_fused,
-                                               &needs_regions<const Tensor&, comm::Communicator*>,
+                                               &needs_regions<const Tensor&, comm::Communicator*, const dispatch::Context&>,
                                                kRegionsGuardDoc);
   return *op;
 }
@@ -128,27 +128,27 @@ dispatch::Op<GradMultiTensorScaleSig>& grad_multi_tensor_scale_op() {
 }
 
 void grad_norm(const grad::Plan& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
-               comm::Communicator* comm) {
-  grad_norm_op()(plan, out_norm, norm_type, found_inf, comm);
+               comm::Communicator* comm, const dispatch::Context& ctx) {
+  grad_norm_op()(plan, out_norm, norm_type, found_inf, comm, ctx);
 }
 void grad_unscale_norm(const grad::Plan& plan, const Tensor& inv_scale, const Tensor& out_norm,
-                       const Tensor& found_inf, double norm_type, comm::Communicator* comm) {
-  grad_unscale_norm_op()(plan, inv_scale, out_norm, found_inf, norm_type, comm);
+                       const Tensor& found_inf, double norm_type, comm::Communicator* comm, const dispatch::Context& ctx) {
+  grad_unscale_norm_op()(plan, inv_scale, out_norm, found_inf, norm_type, comm, ctx);
 }
-void grad_clip(const grad::Plan& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff) {
-  grad_clip_op()(plan, total_norm, max_norm, out_coeff);
+void grad_clip(const grad::Plan& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff, const dispatch::Context& ctx) {
+  grad_clip_op()(plan, total_norm, max_norm, out_coeff, ctx);
 }
 void grad_norm_clip(const grad::Plan& plan, double max_norm, const Tensor& out_norm, double norm_type,
-                    const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm) {
-  grad_norm_clip_op()(plan, max_norm, out_norm, norm_type, found_inf, out_coeff, comm);
+                    const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm, const dispatch::Context& ctx) {
+  grad_norm_clip_op()(plan, max_norm, out_norm, norm_type, found_inf, out_coeff, comm, ctx);
 }
-void grad_scale(const grad::Plan& plan, const Tensor& scale) { grad_scale_op()(plan, scale); }
-void grad_count_zeros(const grad::Plan& plan, const Tensor& out_count, comm::Communicator* comm) {
-  grad_count_zeros_op()(plan, out_count, comm);
+void grad_scale(const grad::Plan& plan, const Tensor& scale, const dispatch::Context& ctx) { grad_scale_op()(plan, scale, ctx); }
+void grad_count_zeros(const grad::Plan& plan, const Tensor& out_count, comm::Communicator* comm, const dispatch::Context& ctx) {
+  grad_count_zeros_op()(plan, out_count, comm, ctx);
 }
 void grad_multi_tensor_scale(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,
-                             const Tensor& found_inf) {
-  grad_multi_tensor_scale_op()(in, out, scale, found_inf);
+                             const Tensor& found_inf, const dispatch::Context& ctx) {
+  grad_multi_tensor_scale_op()(in, out, scale, found_inf, ctx);
 }
 
 }  // namespace leanstep::ops

@@ -7,23 +7,23 @@ namespace {
 template <moe::Method kMethod>
 void permute(const Tensor& tokens, const Tensor& routing_map, const Tensor* probs,
              std::optional<int64_t> num_out_tokens, bool drop_and_pad, const Tensor& permuted,
-             const Tensor* permuted_probs, const Tensor& sorted_indices) {
+             const Tensor* permuted_probs, const Tensor& sorted_indices, const dispatch::Context&) {
   moe::permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad, kMethod, permuted, permuted_probs,
                sorted_indices);
 }
 template <moe::Method kMethod>
 void unpermute(const Tensor& permuted, const Tensor& sorted_indices, const Tensor& out, const Tensor* probs,
-               const Tensor* routing_map, bool drop_and_pad) {
+               const Tensor* routing_map, bool drop_and_pad, const dispatch::Context&) {
   moe::unpermute(permuted, sorted_indices, out, probs, routing_map, drop_and_pad, kMethod);
 }
 template <moe::Method kMethod>
-void permute_backward(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens) {
+void permute_backward(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens, const dispatch::Context&) {
   moe::permute_backward(dpermuted, sorted_indices, dtokens, kMethod);
 }
 template <moe::Method kMethod>
 void unpermute_backward(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices,
                         const Tensor* probs, const Tensor* routing_map, bool drop_and_pad, const Tensor& dpermuted,
-                        const Tensor* dprobs) {
+                        const Tensor* dprobs, const dispatch::Context&) {
   moe::unpermute_backward(dout, permuted, sorted_indices, probs, routing_map, drop_and_pad, kMethod, dpermuted,
                           dprobs);
 }
@@ -64,21 +64,21 @@ dispatch::Op<MoeUnpermuteBackwardSig>& moe_unpermute_backward_op() {
 
 void moe_permute(const Tensor& tokens, const Tensor& routing_map, const Tensor* probs,
                  std::optional<int64_t> num_out_tokens, bool drop_and_pad, const Tensor& permuted,
-                 const Tensor* permuted_probs, const Tensor& sorted_indices) {
+                 const Tensor* permuted_probs, const Tensor& sorted_indices, const dispatch::Context& ctx) {
   moe_permute_op()(tokens, routing_map, probs, num_out_tokens, drop_and_pad, permuted, permuted_probs,
-                   sorted_indices);
+                   sorted_indices, ctx);
 }
 void moe_unpermute(const Tensor& permuted, const Tensor& sorted_indices, const Tensor& out, const Tensor* probs,
-                   const Tensor* routing_map, bool drop_and_pad) {
-  moe_unpermute_op()(permuted, sorted_indices, out, probs, routing_map, drop_and_pad);
+                   const Tensor* routing_map, bool drop_and_pad, const dispatch::Context& ctx) {
+  moe_unpermute_op()(permuted, sorted_indices, out, probs, routing_map, drop_and_pad, ctx);
 }
-void moe_permute_backward(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens) {
-  moe_permute_backward_op()(dpermuted, sorted_indices, dtokens);
+void moe_permute_backward(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens, const dispatch::Context& ctx) {
+  moe_permute_backward_op()(dpermuted, sorted_indices, dtokens, ctx);
 }
 void moe_unpermute_backward(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices,
                             const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
-                            const Tensor& dpermuted, const Tensor* dprobs) {
-  moe_unpermute_backward_op()(dout, permuted, sorted_indices, probs, routing_map, drop_and_pad, dpermuted, dprobs);
+                            const Tensor& dpermuted, const Tensor* dprobs, const dispatch::Context& ctx) {
+  moe_unpermute_backward_op()(dout, permuted, sorted_indices, probs, routing_map, drop_and_pad, dpermuted, dprobs, ctx);
 }
 
 }  // namespace leanstep::ops

@@ -27,40 +27,47 @@ const char* no_delegated_feature(const rmsnorm::CallContext& context) {
 }
 
 const char* forward_guard(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const rmsnorm::Options&,
-                          const rmsnorm::CallContext& context) {
+                          const rmsnorm::CallContext& context, const dispatch::Context&) {
   return no_delegated_feature(context);
 }
 const char* backward_guard(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor*,
-                           const rmsnorm::Options&, const rmsnorm::CallContext& context) {
+                           const rmsnorm::Options&, const rmsnorm::CallContext& context, const dispatch::Context&) {
   return no_delegated_feature(context);
 }
 // The frozen direct path: rmsnorm::decide is the guard.
 const char* frozen_guard(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor*,
-                         const rmsnorm::Options&, const rmsnorm::CallContext& context) {
+                         const rmsnorm::Options&, const rmsnorm::CallContext& context, const dispatch::Context&) {
   const rmsnorm::Decision d = rmsnorm::decide(context);
   return d.path == rmsnorm::Path::kFrozenFused ? nullptr : reasons_text(d.decline_mask);
 }
 
 void forward_reference(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,
-                       const rmsnorm::Options& options, const rmsnorm::CallContext&) {
+                       const rmsnorm::Options& options, const rmsnorm::CallContext&, const dispatch::Context&) {
   rmsnorm::forward_reference(x, gamma, y, rstd, options);
 }
 void forward_fused(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,
-                   const rmsnorm::Options& options, const rmsnorm::CallContext&) {
+                   const rmsnorm::Options& options, const rmsnorm::CallContext&, const dispatch::Context&) {
   rmsnorm::forward_fused(x, gamma, y, rstd, options);
 }
 void backward_reference(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma, const Tensor& dx,
-                        const Tensor* dgamma, const rmsnorm::Options& options, const rmsnorm::CallContext&) {
+                        const Tensor* dgamma, const rmsnorm::Options& options, const rmsnorm::CallContext&, const dispatch::Context&) {
   rmsnorm::backward_reference(dy, x, rstd, gamma, dx, dgamma, options);
 }
 void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma, const Tensor& dx,
-                    const Tensor* dgamma, const rmsnorm::Options& options, const rmsnorm::CallContext&) {
-  rmsnorm::backward_fused(dy, x, rstd, gamma, dx, dgamma, options);
+                    const Tensor* dgamma, const rmsnorm::Options& options, const rmsnorm::CallContext&,
+                    const dispatch::Context& ctx) {
+  rmsnorm::backward_fused(dy, x, rstd, gamma, dx, dgamma, options, ctx.workspace.data, ctx.workspace.bytes);
+}
+// The trainable kernel's dgamma partial rows (the workspace query).
+size_t backward_workspace(const Tensor&, const Tensor& x, const Tensor&, const Tensor&, const Tensor&,
+                          const Tensor* dgamma, const rmsnorm::Options&, const rmsnorm::CallContext&,
+                          const dispatch::Context&) {
+  return rmsnorm::backward_fused_workspace_bytes(x, dgamma != nullptr);
 }
 // Only reached for frozen weights (dgamma is null, checked by the entry point).
 void backward_frozen_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
                            const Tensor& dx, const Tensor*, const rmsnorm::Options& options,
-                           const rmsnorm::CallContext&) {
+                           const rmsnorm::CallContext&, const dispatch::Context&) {
   rmsnorm::backward_fused(dy, x, rstd, gamma, dx, nullptr, options);
 }
 
@@ -82,7 +89,8 @@ dispatch::Op<RmsnormBackwardSig>& rmsnorm_backward_op() {
   static auto* op = [] {
     auto* o = new dispatch::Op<RmsnormBackwardSig>("rmsnorm.backward", "reference", &backward_reference);
     // Tried newest first: the frozen path, then the trainable fused kernel.
-    o->install("fused", &backward_fused, &backward_guard, kFeatureGuardDoc, "built-in");
+    o->install_on(DeviceType::kCPU, "fused", &backward_fused, &backward_guard, kFeatureGuardDoc, &backward_workspace,
+                  "built-in");
     o->install("frozen_fused", &backward_frozen_fused, &frozen_guard,
                "rmsnorm::decide: weight frozen and no delegated feature (skips dgamma entirely)", "built-in");
     return o;
@@ -91,19 +99,19 @@ dispatch::Op<RmsnormBackwardSig>& rmsnorm_backward_op() {
 }
 
 void rmsnorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,
-                     const rmsnorm::Options& options, const rmsnorm::CallContext& context) {
-  rmsnorm_forward_op()(x, gamma, y, rstd, options, context);
+                     const rmsnorm::Options& options, const rmsnorm::CallContext& context, const dispatch::Context& ctx) {
+  rmsnorm_forward_op()(x, gamma, y, rstd, options, context, ctx);
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma, const Tensor& dx,
-                      const Tensor* dgamma, const rmsnorm::Options& options, const rmsnorm::CallContext& context) {
+                      const Tensor* dgamma, const rmsnorm::Options& options, const rmsnorm::CallContext& context, const dispatch::Context& ctx) {
   constexpr const char* where = "ops::rmsnorm_backward";
   if (context.weight_requires_grad)
     LEANSTEP_CHECK_ARG(dgamma != nullptr, where, "dgamma", "must be given when the weight requires grad");
   else
     LEANSTEP_CHECK_ARG(dgamma == nullptr, where, "dgamma",
                        "must be null when the weight is frozen (context.weight_requires_grad is false)");
-  rmsnorm_backward_op()(dy, x, rstd, gamma, dx, dgamma, options, context);
+  rmsnorm_backward_op()(dy, x, rstd, gamma, dx, dgamma, options, context, ctx);
 }
 
 }  // namespace leanstep::ops

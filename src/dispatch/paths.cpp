@@ -50,8 +50,8 @@ std::string paths_text(const Registry& reg) {
       out += fmt::format("  device backends (Python package, tensors on a device): {}\n",
                          fmt::join(devices, ", "));
     for (const ImplInfo& impl : op.impls) {
-      out += fmt::format("  {} {}  ({}{})\n", impl.installed ? (impl.active ? "*" : "+") : "-",
-                         impl.name, impl.installed ? "installed" : "not installed",
+      out += fmt::format("  {} {}  ({}, {}{})\n", impl.installed ? (impl.active ? "*" : "+") : "-",
+                         impl.name, impl.installed ? "installed" : "not installed", impl.device,
                          impl.origin.empty() ? "" : ", " + impl.origin);
       out += fmt::format("      guard: {}\n", impl.guard_doc.empty() ? "none (takes every call)"
                                                                     : impl.guard_doc);
@@ -80,6 +80,7 @@ std::string paths_json(const Registry& reg) {
     nlohmann::json impls = nlohmann::json::array();
     for (const ImplInfo& impl : op.impls)
       impls.push_back({{"name", impl.name},
+                       {"device", impl.device},
                        {"origin", impl.origin},
                        {"guard", impl.guard_doc},
                        {"installed", impl.installed},
@@ -95,9 +96,8 @@ std::string paths_json(const Registry& reg) {
     }
     // Implementations per backend: cpu (this registry) and the device backends.
     nlohmann::json backends = nlohmann::json::object();
-    nlohmann::json cpu = nlohmann::json::array({op.reference});
-    for (const ImplInfo& impl : op.impls) cpu.push_back(impl.name);
-    backends["cpu"] = cpu;
+    backends["cpu"] = nlohmann::json::array({op.reference});
+    for (const ImplInfo& impl : op.impls) backends[impl.device].push_back(impl.name);
     for (const std::string& device : device_backends(op.name)) backends[device] = {device};
     ops.push_back({{"op", op.name},
                    {"signature", op.signature},

@@ -98,13 +98,26 @@ void OpBase::publish() {
   } else {
     snap->fallback_reason = "every installed implementation declined";
     for (auto it = stack_.rbegin(); it != stack_.rend(); ++it)
-      snap->candidates.push_back({(*it)->fn, (*it)->guard, (*it)->stats.get()});
+      snap->candidates.push_back({(*it)->fn, (*it)->guard, (*it)->workspace, (*it)->device, (*it)->stats.get()});
   }
   snapshot_.store(std::move(snap));
 }
 
+void OpBase::throw_no_implementation(DeviceType device) const {
+  std::string installed;
+  {
+    std::lock_guard lock(mutex_);
+    for (Record* r : stack_)
+      installed += fmt::format("{}{} ({})", installed.empty() ? "" : ", ", r->name, device_name(r->device));
+  }
+  throw Error(fmt::format("{}: no implementation for {} tensors (the reference '{}' runs cpu memory; installed: {}); "
+                          "device tensors go through the Python package's device backends",
+                          name_, device_name(device), reference_name_, installed.empty() ? "none" : installed));
+}
+
 InstallResult OpBase::install_record(std::string_view impl_name, GenericFn fn, GenericFn guard,
-                                     std::string guard_doc, std::string origin) {
+                                     std::string guard_doc, std::string origin, DeviceType device,
+                                     GenericFn workspace) {
   constexpr std::string_view where = "dispatch::install";
   LEANSTEP_CHECK_ARG(!impl_name.empty(), where, "name", "must not be empty");
   LEANSTEP_CHECK_ARG(fn != nullptr, where, "fn",
@@ -115,7 +128,7 @@ InstallResult OpBase::install_record(std::string_view impl_name, GenericFn fn, G
   std::lock_guard lock(mutex_);
   Record* rec = find_record(impl_name);
   if (rec) {
-    if (rec->fn != fn || rec->guard != guard)
+    if (rec->fn != fn || rec->guard != guard || rec->device != device || rec->workspace != workspace)
       throw_arg_error(where, "name",
                       fmt::format("'{}' of op '{}' is already known with a different entry point "
                                   "or guard; uninstall it and install under another name",
@@ -125,7 +138,7 @@ InstallResult OpBase::install_record(std::string_view impl_name, GenericFn fn, G
   } else {
     known_.push_back(std::unique_ptr<Record>(new Record{std::string(impl_name), fn, guard,
                                                         std::move(guard_doc), std::move(origin),
-                                                        std::make_unique<detail::ImplStats>()}));
+                                                        std::make_unique<detail::ImplStats>(), device, workspace}));
     rec = known_.back().get();
   }
   stack_.push_back(rec);
@@ -154,12 +167,19 @@ InstallResult OpBase::install(const ImplDescriptor& desc) {
     throw Error(fmt::format("dispatch::install: signature mismatch for implementation '{}' of op "
                             "'{}': it has signature '{}' but the op requires '{}'",
                             impl, name_, sig, signature_));
+  LEANSTEP_CHECK_ARG(desc.device_type == static_cast<int32_t>(DeviceType::kCPU) ||
+                         desc.device_type == static_cast<int32_t>(DeviceType::kCUDA),
+                     where, "descriptor.device_type",
+                     fmt::format("must be 0 (cpu) or 1 (cuda) (implementation '{}' of op '{}': got {})", impl, name_,
+                                 desc.device_type));
   return install_record(impl, desc.fn, desc.guard, desc.guard_doc ? desc.guard_doc : "",
-                        fmt::format("backend (ABI {})", desc.abi_version));
+                        fmt::format("backend (ABI {})", desc.abi_version),
+                        static_cast<DeviceType>(desc.device_type), desc.workspace);
 }
 
 InstallResult OpBase::install(std::string_view impl_name) {
-  GenericFn fn, guard;
+  GenericFn fn, guard, workspace;
+  DeviceType device;
   {
     std::lock_guard lock(mutex_);
     Record* rec = find_record(impl_name);
@@ -172,8 +192,10 @@ InstallResult OpBase::install(std::string_view impl_name) {
     }
     fn = rec->fn;
     guard = rec->guard;
+    workspace = rec->workspace;
+    device = rec->device;
   }
-  return install_record(impl_name, fn, guard, "", "");
+  return install_record(impl_name, fn, guard, "", "", device, workspace);
 }
 
 void OpBase::uninstall(std::string_view impl_name) {
@@ -244,10 +266,10 @@ OpReport OpBase::report() const {
   r.reference = reference_name_;
   r.enabled = enabled_;
   for (auto it = stack_.rbegin(); it != stack_.rend(); ++it)
-    r.impls.push_back({(*it)->name, (*it)->origin, (*it)->guard_doc, true, enabled_});
+    r.impls.push_back({(*it)->name, (*it)->origin, (*it)->guard_doc, device_name((*it)->device), true, enabled_});
   for (auto& rec : known_)
     if (std::find(stack_.begin(), stack_.end(), rec.get()) == stack_.end())
-      r.impls.push_back({rec->name, rec->origin, rec->guard_doc, false, false});
+      r.impls.push_back({rec->name, rec->origin, rec->guard_doc, device_name(rec->device), false, false});
   r.stats.push_back(detail::view_of(reference_name_, *reference_stats_));
   for (auto& rec : known_) {
     ImplStatsView v = detail::view_of(rec->name, *rec->stats);

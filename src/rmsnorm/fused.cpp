@@ -358,8 +358,22 @@ void forward_fused(const Tensor& x, const Tensor& gamma, const Tensor& y, const 
   });
 }
 
+size_t backward_fused_workspace_bytes(const Tensor& x, bool trainable) {
+  if (!trainable || x.ndim < 1 || x.shape[x.ndim - 1] < 1) return 0;
+  const int64_t h = x.shape[x.ndim - 1];
+  const int64_t rows = x.numel() / h;
+  const int64_t chunks = leanstep::detail::num_chunks(rows, detail::rows_per_chunk(h));
+  return static_cast<size_t>(std::max<int64_t>(chunks, 1) * h) * sizeof(float);
+}
+
 void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
                     const Tensor& dx, const Tensor* dgamma, const Options& options) {
+  backward_fused(dy, x, rstd, gamma, dx, dgamma, options, nullptr, 0);
+}
+
+void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
+                    const Tensor& dx, const Tensor* dgamma, const Options& options, void* workspace,
+                    size_t workspace_bytes) {
   const auto s = detail::check_backward("rmsnorm::backward_fused", dy, x, rstd, gamma, dx, dgamma, options);
   const int64_t h = s.hidden;
   const std::vector<float> g = detail::effective_gamma(gamma, options.zero_centered_gamma);
@@ -376,11 +390,23 @@ void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const
       bf16 ? HWY_DYNAMIC_DISPATCH(GdyXhatDotAccumulateBF16) : HWY_DYNAMIC_DISPATCH(GdyXhatDotAccumulateF32);
   const auto dx_row_fn = bf16 ? HWY_DYNAMIC_DISPATCH(DxRowBF16) : HWY_DYNAMIC_DISPATCH(DxRowF32);
 
-  // Trainable only: one fp32 partial dgamma row per fixed chunk of rows.
-  std::vector<float> partials(trainable ? static_cast<size_t>(std::max<int64_t>(chunks, 1) * h) : 0, 0.0f);
+  // Trainable only: one fp32 partial dgamma row per fixed chunk of rows, in the
+  // caller's workspace when it is large enough.
+  const size_t partial_floats = trainable ? static_cast<size_t>(std::max<int64_t>(chunks, 1) * h) : 0;
+  std::vector<float> own;
+  float* partials_data = nullptr;
+  if (trainable) {
+    if (workspace && workspace_bytes >= partial_floats * sizeof(float)) {
+      partials_data = static_cast<float*>(workspace);
+      std::memset(partials_data, 0, partial_floats * sizeof(float));
+    } else {
+      own.assign(partial_floats, 0.0f);
+      partials_data = own.data();
+    }
+  }
 
   leanstep::detail::parallel_chunks(s.rows, chunk_rows, [&](int64_t c, int64_t begin, int64_t end) {
-    float* partial = trainable ? partials.data() + static_cast<size_t>(c * h) : nullptr;
+    float* partial = trainable ? partials_data + static_cast<size_t>(c * h) : nullptr;
     if (direct) {  // two passes over the row in its own dtype; the second from cache
       for (int64_t row = begin; row < end; ++row) {
         const void* dyr = row_ptr(dy, row, h);
@@ -410,7 +436,7 @@ void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const
   // Fixed pairwise tree over the chunk partials (depends on the shape only),
   // parallel over column blocks: every column sees the same additions in the
   // same order whatever the thread count or column blocking.
-  float* p = partials.data();
+  float* p = partials_data;
   leanstep::detail::parallel_chunks(h, 4096, [&](int64_t, int64_t col_begin, int64_t col_end) {
     for (int64_t width = 1; width < chunks; width *= 2)
       for (int64_t i = 0; i + width < chunks; i += 2 * width)

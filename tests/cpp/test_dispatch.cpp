@@ -92,7 +92,7 @@ TEST(DispatchSignature, DescriptorAbiAndConsistencyChecks) {
   ld::ImplDescriptor abi = good;
   abi.abi_version = ld::kAbiVersion + 1;
   EXPECT_LEANSTEP_ERROR(op.install(abi), "ABI");
-  EXPECT_LEANSTEP_ERROR(op.install(abi), "built for ABI 2");
+  EXPECT_LEANSTEP_ERROR(op.install(abi), "built for ABI " + std::to_string(ld::kAbiVersion + 1));
 
   ld::ImplDescriptor corrupt = good;
   corrupt.signature_hash ^= 1;
@@ -106,6 +106,10 @@ TEST(DispatchSignature, DescriptorAbiAndConsistencyChecks) {
   null_fn.fn = nullptr;
   EXPECT_LEANSTEP_ERROR(op.install(null_fn), "must not be null");
 
+  ld::ImplDescriptor bad_device = good;
+  bad_device.device_type = 7;
+  EXPECT_LEANSTEP_ERROR(op.install(bad_device), "descriptor.device_type");
+
   ld::ImplDescriptor no_name = good;
   no_name.name = "";
   EXPECT_LEANSTEP_ERROR(op.install(no_name), "descriptor.name");
@@ -117,7 +121,8 @@ TEST(DispatchSignature, DescriptorAbiAndConsistencyChecks) {
   EXPECT_EQ(op(3), 9);
   const auto report = op.report();
   ASSERT_EQ(report.impls.size(), 1u);
-  EXPECT_EQ(report.impls[0].origin, "backend (ABI 1)");
+  EXPECT_EQ(report.impls[0].origin, "backend (ABI " + std::to_string(ld::kAbiVersion) + ")");
+  EXPECT_EQ(report.impls[0].device, "cpu");
   EXPECT_EQ(report.impls[0].guard_doc, "even inputs only");
 }
 

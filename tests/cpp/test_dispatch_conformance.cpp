@@ -140,10 +140,13 @@ std::vector<std::string> disagreements(const OpCases& spec, const std::vector<ui
   return found;
 }
 
-// Runs a void implementation; false when its guard declined.
+// The backend context every case runs with (host memory; no workspace).
+const dispatch::Context kHost{};
+
+// Runs a void implementation with the host context; false when its guard declined.
 template <class Slot, class... Args>
 bool run_impl(Slot& slot, const std::string& impl, Args&&... args) {
-  return slot.call_impl(impl, std::forward<Args>(args)...) == nullptr;
+  return slot.call_impl(impl, std::forward<Args>(args)..., kHost) == nullptr;
 }
 
 template <class... O>
@@ -566,7 +569,8 @@ OpCases moe_cases(const std::string& op_name) {
       }
       // The other ops take the reference permutation's indices and fresh rows.
       ops::moe_permute_op().call_impl("sort", r.tokens.view(), r.map.view(), probs, r.num_out, s.drop_and_pad,
-                                      r.permuted.view(), s.probs ? &r.permuted_probs.view() : nullptr, r.indices.view());
+                                      r.permuted.view(), s.probs ? &r.permuted_probs.view() : nullptr, r.indices.view(),
+                                      kHost);
       std::mt19937_64 rng(seed ^ 0x9e3779b97f4a7c15ULL);
       Buffer rows(s.dtype, {r.rows, s.H});
       fill_normal(rows.view(), rng);
@@ -656,13 +660,13 @@ TEST(Conformance, EveryImplementationAgreesWithTheReferenceOnEveryTarget) {
 // The harness itself: an implementation that is wrong by one bit in one
 // element, or only on empty-free inputs, is caught and named.
 void off_by_one_bit(const Tensor& permuted, const Tensor& sorted_indices, const Tensor& out, const Tensor* probs,
-                    const Tensor* routing_map, bool drop_and_pad) {
+                    const Tensor* routing_map, bool drop_and_pad, const dispatch::Context&) {
   moe::unpermute(permuted, sorted_indices, out, probs, routing_map, drop_and_pad, moe::Method::kFused);
   if (out.numel() > 3) static_cast<unsigned char*>(out.data)[3 * out.element_size()] ^= 1;
 }
 
 void norm_slightly_off(const grad::Plan& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
-                       comm::Communicator* comm) {
+                       comm::Communicator* comm, const dispatch::Context&) {
   grad::norm(plan, out_norm, norm_type, found_inf, comm);
   static_cast<float*>(out_norm.data)[0] *= 1.0f + 64 * 1.2e-7f;  // 64 ulp: beyond the declared 8
 }

@@ -14,6 +14,7 @@
 #include "leanstep/grad.h"
 #include "leanstep/buffer.h"
 #include "leanstep/ops.h"
+#include "moe_util.h"
 #include "test_util.h"
 
 namespace ld = leanstep::dispatch;
@@ -78,10 +79,10 @@ TEST_F(DispatchOps, EveryBuiltinOpIsRegisteredWithItsImplementations) {
   }
   EXPECT_EQ(ops::rmsnorm_forward_op().signature(),
             "void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const rmsnorm::Options&, "
-            "const rmsnorm::CallContext&)");
+            "const rmsnorm::CallContext&, const dispatch::Context&)");
   EXPECT_EQ(ops::moe_permute_op().signature(),
             "void(const Tensor&, const Tensor&, const Tensor*, optional<int64>, bool, const Tensor&, "
-            "const Tensor*, const Tensor&)");
+            "const Tensor*, const Tensor&, const dispatch::Context&)");
   const std::string text = ld::paths_text();
   for (const auto& n : expected) EXPECT_NE(text.find(n), std::string::npos) << n;
 }
@@ -430,7 +431,7 @@ TEST_F(DispatchOps, SubsetPresetsSwitchBetweenSteps) {
 
 namespace {
 int backend_calls = 0;
-void backend_count_zeros(const grad::Plan& plan, const Tensor& out, comm::Communicator*) {
+void backend_count_zeros(const grad::Plan& plan, const Tensor& out, comm::Communicator*, const ld::Context&) {
   ++backend_calls;
   out.data_as<int64_t>()[0] = -1;  // recognisable
 }
@@ -438,7 +439,7 @@ void backend_count_zeros(const grad::Plan& plan, const Tensor& out, comm::Commun
 
 TEST_F(DispatchOps, BackendDescriptorInstallsIntoABuiltinOp) {
   const std::string sig = ops::grad_count_zeros_op().signature();
-  EXPECT_EQ(sig, "void(const grad::Plan&, const Tensor&, comm::Communicator*)");
+  EXPECT_EQ(sig, "void(const grad::Plan&, const Tensor&, comm::Communicator*, const dispatch::Context&)");
   const ld::ImplDescriptor desc =
       ld::make_descriptor<ops::GradCountZerosSig>("grad.count_zeros", "backend", sig, &backend_count_zeros);
   EXPECT_TRUE(ld::registry().install(desc).changed);
@@ -451,14 +452,81 @@ TEST_F(DispatchOps, BackendDescriptorInstallsIntoABuiltinOp) {
   // A descriptor built for another op's signature is refused, naming both.
   const std::string other = ops::grad_scale_op().signature();
   const ld::ImplDescriptor wrong = ld::make_descriptor<ops::GradScaleSig>(
-      "grad.count_zeros", "backend_wrong", other, +[](const grad::Plan&, const Tensor&) {});
+      "grad.count_zeros", "backend_wrong", other, +[](const grad::Plan&, const Tensor&, const ld::Context&) {});
   EXPECT_LEANSTEP_ERROR(ld::registry().install(wrong),
-                        "it has signature 'void(const grad::Plan&, const Tensor&)' but the op requires "
-                        "'void(const grad::Plan&, const Tensor&, comm::Communicator*)'");
+                        "it has signature 'void(const grad::Plan&, const Tensor&, const dispatch::Context&)' but the "
+                        "op requires 'void(const grad::Plan&, const Tensor&, comm::Communicator*, const "
+                        "dispatch::Context&)'");
   // Uninstall restores the built-in fused path.
   ld::registry().uninstall("grad.count_zeros", "backend");
   EXPECT_EQ(ops::grad_count_zeros_op().active(), "fused");
   ops::grad_count_zeros(empty, out);
   EXPECT_EQ(out.data_as<int64_t>()[0], 0);
   EXPECT_EQ(backend_calls, 1);
+}
+
+namespace {
+int device_calls = 0;
+void cuda_unpermute(const Tensor&, const Tensor&, const Tensor&, const Tensor*, const Tensor*, bool,
+                    const ld::Context& ctx) {
+  ++device_calls;
+  EXPECT_EQ(ctx.device.type, DeviceType::kCUDA);
+  EXPECT_EQ(ctx.stream, reinterpret_cast<void*>(0x1234));  // handed through untouched
+}
+}  // namespace
+
+// Candidates are kept per device: a context on a device with no implementation
+// is an Error naming it (the reference runs host memory only), one installed
+// for that device runs there, and CPU calls never see it.
+TEST_F(DispatchOps, CandidatesArePerDeviceAndAMissingOneIsAnError) {
+  Buffer permuted(DType::kFloat32, {2, 3}), out(DType::kFloat32, {2, 3});
+  Buffer idx = leanstep::testing::index_buffer({1, 0});
+  ld::Context cuda;
+  cuda.device.type = DeviceType::kCUDA;
+  cuda.stream = reinterpret_cast<void*>(0x1234);
+  EXPECT_LEANSTEP_ERROR(ops::moe_unpermute(permuted, idx, out, nullptr, nullptr, false, cuda),
+                        "moe.unpermute: no implementation for cuda tensors");
+  auto& op = ops::moe_unpermute_op();
+  op.install_on(DeviceType::kCUDA, "fake_cuda", &cuda_unpermute);
+  ops::moe_unpermute(permuted, idx, out, nullptr, nullptr, false, cuda);
+  EXPECT_EQ(device_calls, 1);
+  const uint64_t fused_before = calls("moe.unpermute", "fused");
+  ops::moe_unpermute(permuted, idx, out);  // host: the CPU candidates only
+  EXPECT_EQ(device_calls, 1);
+  EXPECT_EQ(calls("moe.unpermute", "fused"), fused_before + 1);
+  bool listed = false;
+  for (const auto& i : op.report().impls) listed |= i.name == "fake_cuda" && i.device == "cuda";
+  EXPECT_TRUE(listed);
+  op.uninstall("fake_cuda");
+  EXPECT_THROW(ops::moe_unpermute(permuted, idx, out, nullptr, nullptr, false, cuda), Error);
+}
+
+// The workspace protocol: the query names the bytes the implementation that
+// would run uses; given that much, the call works in it (same bits).
+TEST_F(DispatchOps, RmsnormBackwardWorksInTheCallersWorkspace) {
+  std::mt19937_64 rng(test_seed());
+  const int64_t rows = 300, h = 1000;
+  Buffer x(DType::kFloat32, {rows, h}), dy(DType::kFloat32, {rows, h}), g(DType::kFloat32, {h});
+  Buffer rstd(DType::kFloat32, {rows}), dx_own(DType::kFloat32, {rows, h}), dx_ws(DType::kFloat32, {rows, h});
+  Buffer dg_own(DType::kFloat32, {h}), dg_ws(DType::kFloat32, {h});
+  fill_normal(x.view(), rng);
+  fill_normal(dy.view(), rng);
+  fill_normal(g.view(), rng, 1.0, 0.1);
+  for (int64_t r = 0; r < rows; ++r) rstd.data_as<float>()[r] = 1.0f;
+  rmsnorm::CallContext trainable;
+  const size_t need = ops::rmsnorm_backward_op().workspace_bytes(dy, x, rstd, g, dx_ws, &dg_ws.view(), {}, trainable,
+                                                                  ld::Context{});
+  EXPECT_EQ(need, rmsnorm::backward_fused_workspace_bytes(x, true));
+  EXPECT_GT(need, 0u);
+  rmsnorm::CallContext frozen;
+  frozen.weight_requires_grad = false;
+  EXPECT_EQ(ops::rmsnorm_backward_op().workspace_bytes(dy, x, rstd, g, dx_ws, nullptr, {}, frozen, ld::Context{}), 0u);
+  std::vector<float> scratch(need / sizeof(float), 12345.0f);  // stale contents must not matter
+  ld::Context with;
+  with.workspace = {scratch.data(), need};
+  ops::rmsnorm_backward(dy, x, rstd, g, dx_own, &dg_own.view(), {}, trainable);
+  ops::rmsnorm_backward(dy, x, rstd, g, dx_ws, &dg_ws.view(), {}, trainable, with);
+  EXPECT_TRUE(same_bits(dx_own, dx_ws));
+  EXPECT_TRUE(same_bits(dg_own, dg_ws));
+  EXPECT_NE(scratch[0], 12345.0f);  // it was used
 }
