@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <span>
+#include <type_traits>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,43 @@ struct WorkChunk {
   int64_t end = 0;
 };
 
+// A generic view as the kernels see it (its reason stays with the Plan).
+struct GenericRef {
+  size_t index = 0;  // position in the list given to the Plan
+  Tensor view;
+};
+
+// What an op receives of a Plan: plain data, pointers and counts into the
+// Plan's arrays (no std::vector, no std::string), so a separately built
+// backend reads it across the dispatch ABI. Valid while its Plan lives and is
+// not moved. A Plan converts to it implicitly.
+struct PlanView {
+  const Tensor* view_data = nullptr;
+  size_t view_count = 0;
+  const Region* region_data = nullptr;
+  size_t region_count = 0;
+  const GenericRef* generic_data = nullptr;
+  size_t generic_count = 0;
+  const WorkChunk* chunk_data = nullptr;
+  size_t chunk_count = 0;
+  size_t empty_count = 0;
+  size_t listed = 0;   // listed bytes
+  size_t touched = 0;  // touched bytes
+  bool aliases = false;
+
+  std::span<const Tensor> views() const { return {view_data, view_count}; }
+  std::span<const Region> regions() const { return {region_data, region_count}; }
+  std::span<const GenericRef> generic() const { return {generic_data, generic_count}; }
+  std::span<const WorkChunk> chunks() const { return {chunk_data, chunk_count}; }
+  size_t num_tensors() const { return view_count; }
+  size_t num_regions() const { return region_count; }
+  size_t num_generic() const { return generic_count; }
+  size_t num_empty() const { return empty_count; }
+  size_t listed_bytes() const { return listed; }
+  size_t touched_bytes() const { return touched; }
+  bool generic_aliases() const { return aliases; }
+};
+
 class Plan {
  public:
   Plan() = default;
@@ -79,10 +117,15 @@ class Plan {
 
   static constexpr int64_t kChunkElements = int64_t{1} << 16;
 
+  // The plain-data view the ops take (implicit, so ops accept a Plan).
+  PlanView view() const;
+  operator PlanView() const { return view(); }  // NOLINT: a Plan is usable wherever its view is
+
  private:
   std::vector<Tensor> views_;
   std::vector<Region> regions_;
   std::vector<GenericView> generic_;
+  std::vector<GenericRef> generic_refs_;  // the same views, plain data, for PlanView
   std::vector<WorkChunk> chunks_;
   size_t num_empty_ = 0;
   size_t listed_bytes_ = 0;
@@ -98,7 +141,7 @@ class Plan {
 // plan). Writes `out_norm` (1-element fp32). If `found_inf` (1-element fp32,
 // zeroed by the caller) is given, it is set to 1 when any element is
 // non-finite (on any rank), in the same pass.
-void norm(const Plan& plan, const Tensor& out_norm, double norm_type = 2.0, const Tensor* found_inf = nullptr,
+void norm(const PlanView& plan, const Tensor& out_norm, double norm_type = 2.0, const Tensor* found_inf = nullptr,
           comm::Communicator* comm = nullptr);
 
 // Fused "unscale + non-finite check + norm" in one pass: each element x
@@ -106,28 +149,28 @@ void norm(const Plan& plan, const Tensor& out_norm, double norm_type = 2.0, cons
 // found_inf (required, 1-element fp32 zeroed by the caller) is set when an
 // INPUT element is non-finite, and out_norm is the norm of the unscaled grads
 // (as unscale-all-then-norm would give). `inv_scale`: 1-element fp32 tensor.
-void unscale_norm(const Plan& plan, const Tensor& inv_scale, const Tensor& out_norm, const Tensor& found_inf,
+void unscale_norm(const PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm, const Tensor& found_inf,
                   double norm_type = 2.0, comm::Communicator* comm = nullptr);
-void unscale_norm(const Plan& plan, float inv_scale, const Tensor& out_norm, const Tensor& found_inf,
+void unscale_norm(const PlanView& plan, float inv_scale, const Tensor& out_norm, const Tensor& found_inf,
                   double norm_type = 2.0, comm::Communicator* comm = nullptr);
 
 // Clip by total norm: coeff = min(1, max_norm / (norm + 1e-6)) computed from the
 // stored `total_norm` (1-element fp32) without a host read, grads multiplied in
 // place (always; by exactly 1 leaves fp32 bit-identical). NaN norm gives NaN
 // coefficient. Writes `out_coeff` (1-element fp32) if given.
-void clip(const Plan& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff = nullptr);
+void clip(const PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff = nullptr);
 
 // norm then clip: the usual step. Writes out_norm (and out_coeff if given).
-void norm_clip(const Plan& plan, double max_norm, const Tensor& out_norm, double norm_type = 2.0,
+void norm_clip(const PlanView& plan, double max_norm, const Tensor& out_norm, double norm_type = 2.0,
                const Tensor* found_inf = nullptr, const Tensor* out_coeff = nullptr,
                comm::Communicator* comm = nullptr);
 
 // In place grads *= scale (1-element fp32 backend scalar), computed in fp32.
-void scale(const Plan& plan, const Tensor& scale);
+void scale(const PlanView& plan, const Tensor& scale);
 
 // sum over views of (numel - count_nonzero) into `out_count` (1-element int64);
 // SUM all-reduced with `comm`.
-void count_zeros(const Plan& plan, const Tensor& out_count, comm::Communicator* comm = nullptr);
+void count_zeros(const PlanView& plan, const Tensor& out_count, comm::Communicator* comm = nullptr);
 
 // out[i] = cast_to(out[i].dtype, float(in[i]) * scale) for all pairs, fp32 math
 // and one rounding to the destination (no overflow through a narrow
@@ -164,3 +207,6 @@ void count_zeros(std::span<const Tensor> grads, const Tensor& out_count, comm::C
 void multi_tensor_scale(std::span<const Tensor> in, std::span<const Tensor> out, float scale, const Tensor& found_inf);
 
 }  // namespace leanstep::grad::reference
+
+static_assert(std::is_standard_layout_v<leanstep::grad::PlanView> && std::is_trivially_copyable_v<leanstep::grad::PlanView>,
+              "a PlanView crosses the dispatch ABI as plain data");

@@ -40,7 +40,7 @@
 #include "leanstep/rmsnorm.h"
 
 // Canonical names of the area types that appear in op signatures.
-LEANSTEP_DISPATCH_TYPE_NAME(leanstep::grad::Plan, "grad::Plan");
+LEANSTEP_DISPATCH_TYPE_NAME(leanstep::grad::PlanView, "grad::PlanView");
 LEANSTEP_DISPATCH_TYPE_NAME(leanstep::comm::Communicator, "comm::Communicator");
 LEANSTEP_DISPATCH_TYPE_NAME(leanstep::rmsnorm::Options, "rmsnorm::Options");
 LEANSTEP_DISPATCH_TYPE_NAME(leanstep::rmsnorm::CallContext, "rmsnorm::CallContext");
@@ -49,18 +49,18 @@ namespace leanstep::ops {
 
 // ---------------------------------------------------------------- signatures
 
-using GradNormSig = void(const grad::Plan& plan, const Tensor& out_norm, double norm_type,
+using GradNormSig = void(const grad::PlanView& plan, const Tensor& out_norm, double norm_type,
                          const Tensor* found_inf, comm::Communicator* comm, const dispatch::Context& ctx);
-using GradUnscaleNormSig = void(const grad::Plan& plan, const Tensor& inv_scale, const Tensor& out_norm,
+using GradUnscaleNormSig = void(const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm,
                                 const Tensor& found_inf, double norm_type, comm::Communicator* comm,
                                 const dispatch::Context& ctx);
-using GradClipSig = void(const grad::Plan& plan, const Tensor& total_norm, double max_norm,
+using GradClipSig = void(const grad::PlanView& plan, const Tensor& total_norm, double max_norm,
                          const Tensor* out_coeff, const dispatch::Context& ctx);
-using GradNormClipSig = void(const grad::Plan& plan, double max_norm, const Tensor& out_norm,
+using GradNormClipSig = void(const grad::PlanView& plan, double max_norm, const Tensor& out_norm,
                              double norm_type, const Tensor* found_inf, const Tensor* out_coeff,
                              comm::Communicator* comm, const dispatch::Context& ctx);
-using GradScaleSig = void(const grad::Plan& plan, const Tensor& scale, const dispatch::Context& ctx);
-using GradCountZerosSig = void(const grad::Plan& plan, const Tensor& out_count, comm::Communicator* comm,
+using GradScaleSig = void(const grad::PlanView& plan, const Tensor& scale, const dispatch::Context& ctx);
+using GradCountZerosSig = void(const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm,
                                const dispatch::Context& ctx);
 using GradMultiTensorScaleSig = void(std::span<const Tensor> in, std::span<const Tensor> out,
                                      const Tensor& scale, const Tensor& found_inf, const dispatch::Context& ctx);
@@ -128,19 +128,19 @@ const std::array<OpEntry, kNumOps>& op_table();
 // Each takes the backend context last (default: host memory, no stream, no
 // workspace; see dispatch::Context).
 
-void grad_norm(const grad::Plan& plan, const Tensor& out_norm, double norm_type = 2.0,
+void grad_norm(const grad::PlanView& plan, const Tensor& out_norm, double norm_type = 2.0,
                const Tensor* found_inf = nullptr, comm::Communicator* comm = nullptr,
                const dispatch::Context& ctx = {});
-void grad_unscale_norm(const grad::Plan& plan, const Tensor& inv_scale, const Tensor& out_norm,
+void grad_unscale_norm(const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm,
                        const Tensor& found_inf, double norm_type = 2.0, comm::Communicator* comm = nullptr,
                        const dispatch::Context& ctx = {});
-void grad_clip(const grad::Plan& plan, const Tensor& total_norm, double max_norm,
+void grad_clip(const grad::PlanView& plan, const Tensor& total_norm, double max_norm,
                const Tensor* out_coeff = nullptr, const dispatch::Context& ctx = {});
-void grad_norm_clip(const grad::Plan& plan, double max_norm, const Tensor& out_norm, double norm_type = 2.0,
+void grad_norm_clip(const grad::PlanView& plan, double max_norm, const Tensor& out_norm, double norm_type = 2.0,
                     const Tensor* found_inf = nullptr, const Tensor* out_coeff = nullptr,
                     comm::Communicator* comm = nullptr, const dispatch::Context& ctx = {});
-void grad_scale(const grad::Plan& plan, const Tensor& scale, const dispatch::Context& ctx = {});
-void grad_count_zeros(const grad::Plan& plan, const Tensor& out_count, comm::Communicator* comm = nullptr,
+void grad_scale(const grad::PlanView& plan, const Tensor& scale, const dispatch::Context& ctx = {});
+void grad_count_zeros(const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm = nullptr,
                       const dispatch::Context& ctx = {});
 void grad_multi_tensor_scale(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,
                              const Tensor& found_inf, const dispatch::Context& ctx = {});

@@ -8,7 +8,7 @@ namespace {
 // The fused path works on the plan's coalesced regions; a plan made only of
 // generic views (strided, scattered) gains nothing from it.
 template <class... Rest>
-const char* needs_regions(const grad::Plan& plan, Rest...) {
+const char* needs_regions(const grad::PlanView& plan, Rest...) {
   return plan.num_regions() == 0 && plan.num_generic() > 0 ? "plan has no coalesced region (every view is generic)"
                                                            : nullptr;
 }
@@ -16,30 +16,30 @@ constexpr const char* kRegionsGuardDoc = "plans with at least one coalesced regi
 
 // ---- references: the per-tensor loop over the plan's listed views
 
-void norm_reference(const grad::Plan& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
+void norm_reference(const grad::PlanView& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
                     comm::Communicator* comm, const dispatch::Context&) {
   grad::reference::norm(plan.views(), out_norm, norm_type, found_inf, comm);
 }
-void unscale_norm_reference(const grad::Plan& plan, const Tensor& inv_scale, const Tensor& out_norm,
+void unscale_norm_reference(const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm,
                             const Tensor& found_inf, double norm_type, comm::Communicator* comm, const dispatch::Context&) {
   grad::reference::unscale_norm(plan.views(), inv_scale, out_norm, found_inf, norm_type, comm);
 }
-void clip_reference(const grad::Plan& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff, const dispatch::Context&) {
+void clip_reference(const grad::PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff, const dispatch::Context&) {
   grad::reference::clip(plan.views(), total_norm, max_norm, out_coeff);
 }
-void norm_clip_reference(const grad::Plan& plan, double max_norm, const Tensor& out_norm, double norm_type,
+void norm_clip_reference(const grad::PlanView& plan, double max_norm, const Tensor& out_norm, double norm_type,
                          const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm, const dispatch::Context&) {
   grad::reference::norm_clip(plan.views(), max_norm, out_norm, norm_type, found_inf, out_coeff, comm);
 }
 // Like the frameworks' fallback: the scale is read on the host, then each view
 // is scaled in place in list order (a view listed twice is scaled twice).
-void scale_reference(const grad::Plan& plan, const Tensor& scale, const dispatch::Context&) {
+void scale_reference(const grad::PlanView& plan, const Tensor& scale, const dispatch::Context&) {
   const float s = static_cast<float>(read_scalar(scale));
   float found = 0.0f;
   const Tensor found_inf(&found, DType::kFloat32, {1});
   grad::reference::multi_tensor_scale(plan.views(), plan.views(), s, found_inf);
 }
-void count_zeros_reference(const grad::Plan& plan, const Tensor& out_count, comm::Communicator* comm, const dispatch::Context&) {
+void count_zeros_reference(const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm, const dispatch::Context&) {
   grad::reference::count_zeros(plan.views(), out_count, comm);
 }
 void multi_tensor_scale_reference(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,
@@ -49,23 +49,23 @@ void multi_tensor_scale_reference(std::span<const Tensor> in, std::span<const Te
 
 // ---- fast paths (thin adapters: the area functions have default arguments)
 
-void norm_fused(const grad::Plan& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
+void norm_fused(const grad::PlanView& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
                 comm::Communicator* comm, const dispatch::Context&) {
   grad::norm(plan, out_norm, norm_type, found_inf, comm);
 }
-void unscale_norm_fused(const grad::Plan& plan, const Tensor& inv_scale, const Tensor& out_norm,
+void unscale_norm_fused(const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm,
                         const Tensor& found_inf, double norm_type, comm::Communicator* comm, const dispatch::Context&) {
   grad::unscale_norm(plan, inv_scale, out_norm, found_inf, norm_type, comm);
 }
-void clip_fused(const grad::Plan& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff, const dispatch::Context&) {
+void clip_fused(const grad::PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff, const dispatch::Context&) {
   grad::clip(plan, total_norm, max_norm, out_coeff);
 }
-void norm_clip_fused(const grad::Plan& plan, double max_norm, const Tensor& out_norm, double norm_type,
+void norm_clip_fused(const grad::PlanView& plan, double max_norm, const Tensor& out_norm, double norm_type,
                      const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm, const dispatch::Context&) {
   grad::norm_clip(plan, max_norm, out_norm, norm_type, found_inf, out_coeff, comm);
 }
-void scale_fused(const grad::Plan& plan, const Tensor& scale, const dispatch::Context&) { grad::scale(plan, scale); }
-void count_zeros_fused(const grad::Plan& plan, const Tensor& out_count, comm::Communicator* comm, const dispatch::Context&) {
+void scale_fused(const grad::PlanView& plan, const Tensor& scale, const dispatch::Context&) { grad::scale(plan, scale); }
+void count_zeros_fused(const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm, const dispatch::Context&) {
   grad::count_zeros(plan, out_count, comm);
 }
 void multi_tensor_scale_fused(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,
@@ -127,23 +127,23 @@ dispatch::Op<GradMultiTensorScaleSig>& grad_multi_tensor_scale_op() {
   return *op;
 }
 
-void grad_norm(const grad::Plan& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
+void grad_norm(const grad::PlanView& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
                comm::Communicator* comm, const dispatch::Context& ctx) {
   grad_norm_op()(plan, out_norm, norm_type, found_inf, comm, ctx);
 }
-void grad_unscale_norm(const grad::Plan& plan, const Tensor& inv_scale, const Tensor& out_norm,
+void grad_unscale_norm(const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm,
                        const Tensor& found_inf, double norm_type, comm::Communicator* comm, const dispatch::Context& ctx) {
   grad_unscale_norm_op()(plan, inv_scale, out_norm, found_inf, norm_type, comm, ctx);
 }
-void grad_clip(const grad::Plan& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff, const dispatch::Context& ctx) {
+void grad_clip(const grad::PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff, const dispatch::Context& ctx) {
   grad_clip_op()(plan, total_norm, max_norm, out_coeff, ctx);
 }
-void grad_norm_clip(const grad::Plan& plan, double max_norm, const Tensor& out_norm, double norm_type,
+void grad_norm_clip(const grad::PlanView& plan, double max_norm, const Tensor& out_norm, double norm_type,
                     const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm, const dispatch::Context& ctx) {
   grad_norm_clip_op()(plan, max_norm, out_norm, norm_type, found_inf, out_coeff, comm, ctx);
 }
-void grad_scale(const grad::Plan& plan, const Tensor& scale, const dispatch::Context& ctx) { grad_scale_op()(plan, scale, ctx); }
-void grad_count_zeros(const grad::Plan& plan, const Tensor& out_count, comm::Communicator* comm, const dispatch::Context& ctx) {
+void grad_scale(const grad::PlanView& plan, const Tensor& scale, const dispatch::Context& ctx) { grad_scale_op()(plan, scale, ctx); }
+void grad_count_zeros(const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm, const dispatch::Context& ctx) {
   grad_count_zeros_op()(plan, out_count, comm, ctx);
 }
 void grad_multi_tensor_scale(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,

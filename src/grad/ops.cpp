@@ -19,7 +19,7 @@ namespace {
 
 // The whole fused pass. `scale` null: read-only. `skip_unit_scale`: a scale
 // of exactly 1 is not applied (the unscale semantics); clip always multiplies.
-Partial fused_pass(const Plan& plan, NormKind kind, double p, const float* scale, bool skip_unit_scale) {
+Partial fused_pass(const PlanView& plan, NormKind kind, double p, const float* scale, bool skip_unit_scale) {
   const auto& chunks = plan.chunks();
   const auto& regions = plan.regions();
   const auto& generic = plan.generic();
@@ -87,7 +87,7 @@ float clip_coefficient(float total_norm, double max_norm) {
 
 }  // namespace detail
 
-void norm(const Plan& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
+void norm(const PlanView& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
           comm::Communicator* comm) {
   static constexpr const char* kWhere = "grad::norm";
   detail::check_norm_type(norm_type, kWhere);
@@ -97,7 +97,7 @@ void norm(const Plan& plan, const Tensor& out_norm, double norm_type, const Tens
   detail::finish_norm(fused_pass(plan, kind, norm_type, nullptr, false), kind, norm_type, out_norm, found_inf, comm);
 }
 
-void unscale_norm(const Plan& plan, const Tensor& inv_scale, const Tensor& out_norm, const Tensor& found_inf,
+void unscale_norm(const PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm, const Tensor& found_inf,
                   double norm_type, comm::Communicator* comm) {
   static constexpr const char* kWhere = "grad::unscale_norm";
   detail::check_norm_type(norm_type, kWhere);
@@ -109,13 +109,13 @@ void unscale_norm(const Plan& plan, const Tensor& inv_scale, const Tensor& out_n
                       out_norm, &found_inf, comm);
 }
 
-void unscale_norm(const Plan& plan, float inv_scale, const Tensor& out_norm, const Tensor& found_inf,
+void unscale_norm(const PlanView& plan, float inv_scale, const Tensor& out_norm, const Tensor& found_inf,
                   double norm_type, comm::Communicator* comm) {
   float scale_storage = inv_scale;
   unscale_norm(plan, Tensor(&scale_storage, DType::kFloat32, {1}), out_norm, found_inf, norm_type, comm);
 }
 
-void clip(const Plan& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff) {
+void clip(const PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff) {
   static constexpr const char* kWhere = "grad::clip";
   detail::check_max_norm(max_norm, kWhere);
   detail::check_scalar(total_norm, DType::kFloat32, kWhere, "total_norm");
@@ -128,19 +128,19 @@ void clip(const Plan& plan, const Tensor& total_norm, double max_norm, const Ten
   fused_pass(plan, NormKind::kNone, 2.0, coeff, false);
 }
 
-void norm_clip(const Plan& plan, double max_norm, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
+void norm_clip(const PlanView& plan, double max_norm, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
                const Tensor* out_coeff, comm::Communicator* comm) {
   detail::check_max_norm(max_norm, "grad::norm_clip");
   norm(plan, out_norm, norm_type, found_inf, comm);
   clip(plan, out_norm, max_norm, out_coeff);
 }
 
-void scale(const Plan& plan, const Tensor& scale) {
+void scale(const PlanView& plan, const Tensor& scale) {
   detail::check_scalar(scale, DType::kFloat32, "grad::scale", "scale");
   fused_pass(plan, NormKind::kNone, 2.0, scale.data_as<const float>(), false);
 }
 
-void count_zeros(const Plan& plan, const Tensor& out_count, comm::Communicator* comm) {
+void count_zeros(const PlanView& plan, const Tensor& out_count, comm::Communicator* comm) {
   detail::check_scalar(out_count, DType::kInt64, "grad::count_zeros", "out_count");
   const auto& chunks = plan.chunks();
   const auto& regions = plan.regions();

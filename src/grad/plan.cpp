@@ -140,6 +140,24 @@ Plan::Plan(std::span<const Tensor> grads, std::span<const Tensor> declared_buffe
         generic_aliases_ = true;
     }
   }
+  for (const GenericView& g : generic_) generic_refs_.push_back({g.index, g.view});
+}
+
+PlanView Plan::view() const {
+  PlanView v;
+  v.view_data = views_.data();
+  v.view_count = views_.size();
+  v.region_data = regions_.data();
+  v.region_count = regions_.size();
+  v.generic_data = generic_refs_.data();
+  v.generic_count = generic_refs_.size();
+  v.chunk_data = chunks_.data();
+  v.chunk_count = chunks_.size();
+  v.empty_count = num_empty_;
+  v.listed = listed_bytes_;
+  v.touched = touched_bytes_;
+  v.aliases = generic_aliases_;
+  return v;
 }
 
 std::string Plan::summary() const {

@@ -665,7 +665,7 @@ void off_by_one_bit(const Tensor& permuted, const Tensor& sorted_indices, const 
   if (out.numel() > 3) static_cast<unsigned char*>(out.data)[3 * out.element_size()] ^= 1;
 }
 
-void norm_slightly_off(const grad::Plan& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
+void norm_slightly_off(const grad::PlanView& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
                        comm::Communicator* comm, const dispatch::Context&) {
   grad::norm(plan, out_norm, norm_type, found_inf, comm);
   static_cast<float*>(out_norm.data)[0] *= 1.0f + 64 * 1.2e-7f;  // 64 ulp: beyond the declared 8

@@ -431,7 +431,7 @@ TEST_F(DispatchOps, SubsetPresetsSwitchBetweenSteps) {
 
 namespace {
 int backend_calls = 0;
-void backend_count_zeros(const grad::Plan& plan, const Tensor& out, comm::Communicator*, const ld::Context&) {
+void backend_count_zeros(const grad::PlanView& plan, const Tensor& out, comm::Communicator*, const ld::Context&) {
   ++backend_calls;
   out.data_as<int64_t>()[0] = -1;  // recognisable
 }
@@ -439,7 +439,7 @@ void backend_count_zeros(const grad::Plan& plan, const Tensor& out, comm::Commun
 
 TEST_F(DispatchOps, BackendDescriptorInstallsIntoABuiltinOp) {
   const std::string sig = ops::grad_count_zeros_op().signature();
-  EXPECT_EQ(sig, "void(const grad::Plan&, const Tensor&, comm::Communicator*, const dispatch::Context&)");
+  EXPECT_EQ(sig, "void(const grad::PlanView&, const Tensor&, comm::Communicator*, const dispatch::Context&)");
   const ld::ImplDescriptor desc =
       ld::make_descriptor<ops::GradCountZerosSig>("grad.count_zeros", "backend", sig, &backend_count_zeros);
   EXPECT_TRUE(ld::registry().install(desc).changed);
@@ -452,10 +452,10 @@ TEST_F(DispatchOps, BackendDescriptorInstallsIntoABuiltinOp) {
   // A descriptor built for another op's signature is refused, naming both.
   const std::string other = ops::grad_scale_op().signature();
   const ld::ImplDescriptor wrong = ld::make_descriptor<ops::GradScaleSig>(
-      "grad.count_zeros", "backend_wrong", other, +[](const grad::Plan&, const Tensor&, const ld::Context&) {});
+      "grad.count_zeros", "backend_wrong", other, +[](const grad::PlanView&, const Tensor&, const ld::Context&) {});
   EXPECT_LEANSTEP_ERROR(ld::registry().install(wrong),
-                        "it has signature 'void(const grad::Plan&, const Tensor&, const dispatch::Context&)' but the "
-                        "op requires 'void(const grad::Plan&, const Tensor&, comm::Communicator*, const "
+                        "it has signature 'void(const grad::PlanView&, const Tensor&, const dispatch::Context&)' but the "
+                        "op requires 'void(const grad::PlanView&, const Tensor&, comm::Communicator*, const "
                         "dispatch::Context&)'");
   // Uninstall restores the built-in fused path.
   ld::registry().uninstall("grad.count_zeros", "backend");

@@ -147,3 +147,32 @@ TEST(GradPlan, BadInputIsAnError) {
 
 }  // namespace
 }  // namespace leanstep
+
+namespace leanstep {
+
+// The plain-data view an op receives: the same arrays as the Plan, read
+// through pointers and counts (what crosses the dispatch ABI).
+TEST(GradPlanView, IsThePlansArraysAsPlainData) {
+  std::vector<float> buf(300, 1.0f);
+  std::vector<float> strided(40, 2.0f);
+  Tensor a = Tensor::contiguous(buf.data(), DType::kFloat32, std::vector<int64_t>{100}.data(), 1);
+  Tensor b = Tensor::contiguous(buf.data() + 100, DType::kFloat32, std::vector<int64_t>{200}.data(), 1);
+  Tensor g = Tensor::contiguous(strided.data(), DType::kFloat32, std::vector<int64_t>{4, 5}.data(), 2);
+  g.strides[0] = 10;
+  const std::vector<Tensor> grads = {a, g, b};
+  const grad::Plan plan(grads);
+  const grad::PlanView v = plan;
+  EXPECT_EQ(v.num_tensors(), plan.num_tensors());
+  EXPECT_EQ(v.num_regions(), plan.num_regions());
+  EXPECT_EQ(v.num_generic(), 1u);
+  EXPECT_EQ(v.generic()[0].index, 1u);
+  EXPECT_EQ(v.generic()[0].view.data, g.data);
+  EXPECT_EQ(v.chunks().size(), plan.chunks().size());
+  EXPECT_EQ(v.regions().data(), plan.regions().data());  // no copy
+  EXPECT_EQ(v.listed_bytes(), plan.listed_bytes());
+  EXPECT_EQ(v.touched_bytes(), plan.touched_bytes());
+  EXPECT_EQ(v.generic_aliases(), plan.generic_aliases());
+  static_assert(std::is_trivially_copyable_v<grad::PlanView>);
+}
+
+}  // namespace leanstep
