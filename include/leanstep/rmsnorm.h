@@ -112,29 +112,8 @@ struct Decision {
 // The guard: pure function of the context (usable by a dispatch registry).
 Decision decide(const CallContext& context);
 
-// Routed entry points: decide, record, run. The frozen path runs the fused
-// kernels without dgamma; the general path runs the same fused kernels
-// (trainable backward when the weight requires grad, so dgamma must be given
-// then and only then). Results are bitwise identical on both paths.
-Decision forward(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,
-                 const Options& options, const CallContext& context);
-Decision backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
-                  const Tensor& dx, const Tensor* dgamma, const Options& options,
-                  const CallContext& context);
-
-// Per-path call counts and decline reasons since the last reset (process-wide,
-// thread-safe). A call declined for several reasons counts once per reason.
-struct PathStats {
-  uint64_t forward_calls[kNumPaths] = {};
-  uint64_t backward_calls[kNumPaths] = {};
-  uint64_t declines[kNumReasons] = {};  // declines[kTaken] stays 0
-  uint64_t calls(Path path) const {
-    return forward_calls[static_cast<int>(path)] + backward_calls[static_cast<int>(path)];
-  }
-  uint64_t declined(Reason reason) const { return declines[static_cast<int>(reason)]; }
-  std::string describe() const;  // a few readable lines
-};
-PathStats path_stats();
-void reset_path_stats();
+// The routed calls are the dispatch layer's (ops::rmsnorm_forward /
+// ops::rmsnorm_backward in leanstep/ops.h): decide() is their guard, and
+// `leanstep paths` counts every decision with its reasons.
 
 }  // namespace leanstep::rmsnorm

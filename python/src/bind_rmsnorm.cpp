@@ -158,22 +158,6 @@ void bind_rmsnorm(nb::module_& m) {
       nb::arg("debug_hooks") = false, nb::arg("compiled_or_captured") = false,
       nb::arg("user_subclass") = false);
 
-  m.def("rmsnorm_path_stats", [] {
-    const rmsnorm::PathStats s = rmsnorm::path_stats();
-    nb::dict out;
-    for (int p = 0; p < rmsnorm::kNumPaths; ++p) {
-      const char* name = rmsnorm::path_name(static_cast<rmsnorm::Path>(p));
-      out[(std::string("forward_") + name).c_str()] = s.forward_calls[p];
-      out[(std::string("backward_") + name).c_str()] = s.backward_calls[p];
-    }
-    nb::dict declines;
-    for (int r = 1; r < rmsnorm::kNumReasons; ++r)
-      declines[rmsnorm::reason_name(static_cast<rmsnorm::Reason>(r))] = s.declines[r];
-    out["declines"] = declines;
-    out["describe"] = s.describe();
-    return out;
-  });
-  m.def("reset_rmsnorm_path_stats", &rmsnorm::reset_path_stats);
 }
 
 }  // namespace leanstep::py
