@@ -137,73 +137,6 @@ void init_adapters(const std::vector<TensorInfo>& tensors, const std::vector<int
   }
 }
 
-// ---------------------------------------------------------------- reference kernels
-
-template <class T>
-Kernels<T> reference_kernels() {
-  Kernels<T> k;
-  k.rmsnorm_forward = [](const T* x, const T* g, int64_t rows, int64_t h, double eps, T* y, T* rstd) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const T* xr = x + r * h;
-      T ss = 0;
-      for (int64_t i = 0; i < h; ++i) ss += xr[i] * xr[i];
-      const T rs = T(1) / std::sqrt(ss / static_cast<T>(h) + static_cast<T>(eps));
-      rstd[r] = rs;
-      for (int64_t i = 0; i < h; ++i) y[r * h + i] = xr[i] * rs * g[i];
-    }
-  };
-  k.rmsnorm_backward = [](const T* dy, const T* x, const T* rstd, const T* g, int64_t rows, int64_t h, T* dx) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const T rs = rstd[r];
-      T dot = 0;
-      for (int64_t i = 0; i < h; ++i) dot += g[i] * dy[r * h + i] * x[r * h + i] * rs;
-      const T mean = dot / static_cast<T>(h);
-      for (int64_t i = 0; i < h; ++i)
-        dx[r * h + i] = rs * (g[i] * dy[r * h + i] - x[r * h + i] * rs * mean);
-    }
-  };
-  k.permute = [](const T* tokens, int64_t ntok, int64_t h, const uint8_t* map, const T* probs, int64_t e,
-                 int64_t nout, T* out, T* out_probs, int64_t* sorted) {
-    int64_t i = 0;
-    for (int64_t ex = 0; ex < e; ++ex)
-      for (int64_t t = 0; t < ntok; ++t) {
-        if (!map[t * e + ex]) continue;
-        if (i >= nout) throw Error("train: permute: more routed pairs than num_out_tokens");
-        std::memcpy(out + i * h, tokens + t * h, sizeof(T) * static_cast<size_t>(h));
-        if (out_probs) out_probs[i] = probs[t * e + ex];
-        sorted[i++] = t;
-      }
-  };
-  k.unpermute = [](const T* permuted, const int64_t* sorted, const T* probs, int64_t nout, int64_t h,
-                   int64_t ntok, T* out) {
-    std::fill(out, out + ntok * h, T(0));
-    for (int64_t i = 0; i < nout; ++i) {
-      const T w = probs ? probs[i] : T(1);
-      T* o = out + sorted[i] * h;
-      for (int64_t j = 0; j < h; ++j) o[j] += permuted[i * h + j] * w;
-    }
-  };
-  k.permute_backward = [](const T* dpermuted, const int64_t* sorted, int64_t nout, int64_t h, int64_t ntok,
-                          T* dtokens) {
-    std::fill(dtokens, dtokens + ntok * h, T(0));
-    for (int64_t i = 0; i < nout; ++i)
-      for (int64_t j = 0; j < h; ++j) dtokens[sorted[i] * h + j] += dpermuted[i * h + j];
-  };
-  k.unpermute_backward = [](const T* dout, const T* permuted, const int64_t* sorted, const T* probs,
-                            int64_t nout, int64_t h, int64_t /*ntok*/, T* dpermuted, T* dprobs) {
-    for (int64_t i = 0; i < nout; ++i) {
-      const T* d = dout + sorted[i] * h;
-      T dot = 0;
-      for (int64_t j = 0; j < h; ++j) {
-        dpermuted[i * h + j] = d[j] * probs[i];
-        dot += d[j] * permuted[i * h + j];
-      }
-      dprobs[i] = dot;
-    }
-  };
-  return k;
-}
-
 // ---------------------------------------------------------------- model
 
 template <class T>
@@ -438,30 +371,10 @@ void Model<T>::layer_forward(int64_t l, LayerCache& c, const T* x_in, T* x_out) 
   kernels_.rmsnorm_forward(c.x_mid.data(), W.post_norm.data(), n, h, eps, c.h2.data(), c.rstd2.data());
   resize(c.logits, n * e);
   gemm(false, true, n, e, h, T(1), c.h2.data(), h, W.router.data(), h, T(0), c.logits.data(), e);
-  // Router: softmax over experts, top-k (ties to the lower index), optionally
-  // renormalised over the chosen k (then equal to a softmax over the chosen logits).
+  // Router (the kernels' route: moe::route in the fp32 trainer).
   c.routing_map.assign(static_cast<size_t>(n * e), 0);
   c.probs_dense.assign(static_cast<size_t>(n * e), T(0));
-  resize(c.probs_full, n * e);
-  std::vector<int64_t> order(static_cast<size_t>(e));
-  for (int64_t t = 0; t < n; ++t) {
-    const T* lg = &c.logits[static_cast<size_t>(t * e)];
-    T* pf = &c.probs_full[static_cast<size_t>(t * e)];
-    const T mx = *std::max_element(lg, lg + e);
-    T sum = 0;
-    for (int64_t j = 0; j < e; ++j) sum += (pf[j] = std::exp(lg[j] - mx));
-    for (int64_t j = 0; j < e; ++j) pf[j] /= sum;
-    std::iota(order.begin(), order.end(), int64_t{0});
-    std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                      [&](int64_t a, int64_t b) { return lg[a] > lg[b] || (lg[a] == lg[b] && a < b); });
-    T chosen = 0;
-    for (int64_t j = 0; j < k; ++j) chosen += pf[order[static_cast<size_t>(j)]];
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t ex = order[static_cast<size_t>(j)];
-      c.routing_map[static_cast<size_t>(t * e + ex)] = 1;
-      c.probs_dense[static_cast<size_t>(t * e + ex)] = cfg_.norm_topk_prob ? pf[ex] / chosen : pf[ex];
-    }
-  }
+  kernels_.route(c.logits.data(), n, e, k, cfg_.norm_topk_prob, c.routing_map.data(), c.probs_dense.data());
   const int64_t nout = n * k;
   resize(c.permuted, nout * h);
   resize(c.permuted_probs, nout);
@@ -558,8 +471,14 @@ void Model<T>::layer_backward(int64_t l, LayerCache& c, T* dx) {
         for (int64_t j = 0; j < e; ++j)
           if (map[j]) dot += w[j] * dp[j];
         for (int64_t j = 0; j < e; ++j) dl[j] = map[j] ? w[j] * (dp[j] - dot) : T(0);
-      } else {  // w = softmax over all experts, gathered at the chosen ones
-        const T* p = &c.probs_full[static_cast<size_t>(t * e)];
+      } else {  // w = softmax over all experts, gathered at the chosen ones (recomputed here)
+        const T* lg = &c.logits[static_cast<size_t>(t * e)];
+        std::vector<T> full(static_cast<size_t>(e));
+        const T mx = *std::max_element(lg, lg + e);
+        T sum = 0;
+        for (int64_t j = 0; j < e; ++j) sum += (full[static_cast<size_t>(j)] = std::exp(lg[j] - mx));
+        for (int64_t j = 0; j < e; ++j) full[static_cast<size_t>(j)] /= sum;
+        const T* p = full.data();
         T dot = 0;
         for (int64_t j = 0; j < e; ++j) dot += p[j] * dp[j];
         for (int64_t j = 0; j < e; ++j) dl[j] = p[j] * (dp[j] - dot);
@@ -637,8 +556,6 @@ template struct BaseWeights<float>;
 template struct BaseWeights<double>;
 template BaseWeights<float> make_base_weights<float>(const ModelConfig&, uint64_t);
 template BaseWeights<double> make_base_weights<double>(const ModelConfig&, uint64_t);
-template Kernels<float> reference_kernels<float>();
-template Kernels<double> reference_kernels<double>();
 template class Model<float>;
 template class Model<double>;
 

@@ -100,6 +100,13 @@ void init_adapters(const std::vector<TensorInfo>& tensors, const std::vector<int
 
 template <class T>
 struct Kernels {
+  // Softmax router over logits[n, e]: the top k experts per token (ties to the
+  // lower index) into routing_map[n, e] (bool bytes), their probabilities into
+  // probs[n, e] (0 elsewhere): the softmax over all experts, or renormalised
+  // over the chosen k when `normalize`.
+  std::function<void(const T* logits, int64_t n, int64_t e, int64_t k, bool normalize, uint8_t* routing_map,
+                     T* probs)>
+      route;
   // y = x * rstd * gamma per row of h; rstd[rows].
   std::function<void(const T* x, const T* gamma, int64_t rows, int64_t h, double eps, T* y, T* rstd)>
       rmsnorm_forward;
@@ -126,11 +133,9 @@ struct Kernels {
       unpermute_backward;
 };
 
-// This file's straightforward kernels (the semantics the dispatch layer's
-// implementations must match).
-template <class T>
-Kernels<T> reference_kernels();
-
+// The fp32 trainer fills these from the library (ops:: through the dispatch
+// layer, moe::route); the tests' float64 oracle brings straightforward ones
+// (tests/cpp/train_reference_kernels.h).
 // ---------------------------------------------------------------- model
 
 template <class T>
@@ -151,7 +156,7 @@ class Model {
   // Activations a layer's backward needs.
   struct LayerCache {
     std::vector<T> x_in, h1, rstd1, qkv_mid, qkv, q_raw, k_raw, v, rstd_q, rstd_k, q_nrm, k_nrm, q, k;
-    std::vector<T> attn_p, o, proj_mid, x_mid, h2, rstd2, logits, probs_full, probs_dense;
+    std::vector<T> attn_p, o, proj_mid, x_mid, h2, rstd2, logits, probs_dense;
     std::vector<uint8_t> routing_map;
     std::vector<T> permuted, permuted_probs, fc1_mid, gu, act, fc2_mid, ye;
     std::vector<int64_t> sorted, expert_begin;  // expert_begin[E + 1]

@@ -36,6 +36,17 @@ using detail::Kernels;
 // the dispatch layer's entry points, so the active preset picks the path.
 Kernels<float> dispatched_kernels() {
   Kernels<float> k;
+  k.route = [](const float* logits, int64_t n, int64_t e, int64_t topk, bool normalize, uint8_t* map, float* probs) {
+    moe::RoutingConfig rc;
+    rc.topk = topk;
+    rc.score_function = moe::ScoreFunction::kSoftmax;
+    rc.pre_softmax = true;  // the softmax over every expert, gathered at the top k
+    rc.normalize = normalize;
+    std::vector<int64_t> per_expert(static_cast<size_t>(e));
+    moe::route(Tensor(const_cast<float*>(logits), DType::kFloat32, {n, e}), rc, nullptr,
+               Tensor(map, DType::kBool, {n, e}), Tensor(probs, DType::kFloat32, {n, e}),
+               Tensor(per_expert.data(), DType::kInt64, {e}));
+  };
   k.rmsnorm_forward = [](const float* x, const float* g, int64_t rows, int64_t h, double eps, float* y, float* rstd) {
     rmsnorm::Options opt;
     opt.eps = eps;

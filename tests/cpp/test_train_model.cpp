@@ -8,9 +8,11 @@
 #include <string>
 #include <vector>
 
+#include "leanstep/moe.h"
 #include "leanstep/train.h"
 #include "test_util.h"
 #include "train/model.h"
+#include "train_reference_kernels.h"
 
 namespace {
 
@@ -206,3 +208,35 @@ TEST(TrainModel, RejectsOutOfVocabularyTokens) {
 }
 
 }  // namespace
+
+namespace leanstep::train {
+namespace {
+
+// The fp32 trainer routes with moe::route (softmax over every expert, top k,
+// optional renormalisation: pre_softmax, normalize); the model's reference
+// router is the oracle: the same experts, probabilities within a few fp32 ulps.
+TEST(TrainModel, LibraryRouterMatchesTheReferenceRouter) {
+  std::mt19937_64 rng(leanstep::testing::test_seed());
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  const int64_t n = 57, e = 12, k = 3;
+  std::vector<float> logits(static_cast<size_t>(n * e));
+  for (float& v : logits) v = normal(rng);
+  for (bool normalize : {false, true}) {
+    std::vector<uint8_t> map_ref(static_cast<size_t>(n * e), 0), map_lib(static_cast<size_t>(n * e), 0);
+    std::vector<float> probs_ref(static_cast<size_t>(n * e), 0.0f), probs_lib(static_cast<size_t>(n * e), 0.0f);
+    detail::reference_kernels<float>().route(logits.data(), n, e, k, normalize, map_ref.data(), probs_ref.data());
+    moe::RoutingConfig rc;
+    rc.topk = k;
+    rc.pre_softmax = true;
+    rc.normalize = normalize;
+    std::vector<int64_t> per_expert(static_cast<size_t>(e));
+    moe::route(Tensor(logits.data(), DType::kFloat32, {n, e}), rc, nullptr, Tensor(map_lib.data(), DType::kBool, {n, e}),
+               Tensor(probs_lib.data(), DType::kFloat32, {n, e}), Tensor(per_expert.data(), DType::kInt64, {e}));
+    EXPECT_EQ(map_ref, map_lib) << "normalize " << normalize;
+    for (size_t i = 0; i < probs_ref.size(); ++i)
+      EXPECT_NEAR(probs_lib[i], probs_ref[i], 8 * 1.2e-7 * std::fabs(probs_ref[i])) << i;
+  }
+}
+
+}  // namespace
+}  // namespace leanstep::train
