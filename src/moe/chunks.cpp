@@ -8,7 +8,7 @@
 
 #include "core/parallel.h"
 #include "leanstep/moe.h"
-#include "moe/validate.h"
+#include "moe/checks.h"
 
 namespace leanstep::moe {
 

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "core/parallel.h"
-#include "moe/accumulate.h"
+#include "moe/kernels.h"
 #include "moe/common.h"
 
 namespace leanstep::moe::detail {

@@ -8,7 +8,7 @@
 
 #include "leanstep/moe.h"
 #include "moe/common.h"
-#include "moe/validate.h"
+#include "moe/checks.h"
 
 namespace leanstep::moe {
 

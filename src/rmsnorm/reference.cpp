@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "leanstep/rmsnorm.h"
-#include "rmsnorm/common.h"
+#include "rmsnorm/checks.h"
 
 namespace leanstep::rmsnorm {
 namespace {

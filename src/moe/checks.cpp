@@ -1,4 +1,4 @@
-#include "moe/validate.h"
+#include "moe/checks.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>

@@ -1,4 +1,4 @@
-#include "rmsnorm/common.h"
+#include "rmsnorm/checks.h"
 
 #include <fmt/format.h>
 

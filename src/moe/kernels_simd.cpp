@@ -1,7 +1,7 @@
-#include "moe/accumulate.h"
+#include "moe/kernels.h"
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "src/moe/accumulate.cpp"
+#define HWY_TARGET_INCLUDE "src/moe/kernels_simd.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "src/core/bf16-inl.h"

@@ -1,0 +1,305 @@
+// The RMSNorm row kernels in Highway SIMD, compiled for every target and
+// dispatched to the best one of the running CPU (src/rmsnorm/kernels.h); the
+// fused path (fused.cpp) drives them over fixed row chunks in parallel.
+//
+// fp32 and bf16 rows are loaded and stored in their own dtype (widened/rounded
+// in registers, src/core/bf16-inl.h). Statistics are accumulated in fp32 in 4
+// independent vector accumulators. Row tails are run through the same vector
+// code on a zero-padded copy, so every element of a row sees exactly the same
+// arithmetic.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "leanstep/rmsnorm.h"
+#include "rmsnorm/kernels.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "src/rmsnorm/kernels_simd.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "src/core/bf16-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace leanstep::rmsnorm::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+constexpr size_t kPad = HWY_MAX_BYTES / sizeof(float);  // room for one vector of any target
+
+// ---- typed loads/stores: rows are read and written in their storage dtype
+// (fp32 or bf16) and widened in registers; all arithmetic is fp32.
+
+template <DType kT, class DF>
+HWY_INLINE hn::Vec<DF> LoadF32(DF df, const void* base, int64_t i) {
+  return leanstep::simd::HWY_NAMESPACE::LoadAsF32<kT>(df, base, i);  // src/core/bf16-inl.h
+}
+
+template <DType kT, class DF>
+HWY_INLINE void StoreF32(DF df, hn::Vec<DF> v, void* base, int64_t i) {
+  leanstep::simd::HWY_NAMESPACE::StoreFromF32<kT>(df, v, base, i);
+}
+
+// Row tails: the last n < lanes elements go through the same vector code on a
+// zero-padded fp32 copy, so every element sees exactly the same arithmetic.
+template <DType kT>
+HWY_INLINE void TailToF32(const void* base, int64_t i, int64_t n, float* padded) {
+  for (int64_t k = 0; k < n; ++k)
+    padded[k] = kT == DType::kFloat32 ? static_cast<const float*>(base)[i + k]
+                                      : bf16_to_float(static_cast<const uint16_t*>(base)[i + k]);
+}
+template <DType kT>
+HWY_INLINE void TailFromF32(const float* padded, void* base, int64_t i, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    if constexpr (kT == DType::kFloat32) static_cast<float*>(base)[i + k] = padded[k];
+    else static_cast<uint16_t*>(base)[i + k] = float_to_bf16(padded[k]);
+  }
+}
+
+// sum of x[i]^2, in 4 independent accumulators
+template <DType kT>
+float SumSquaresT(const void* x, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
+  int64_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N) {
+    const auto v0 = LoadF32<kT>(d, x, i), v1 = LoadF32<kT>(d, x, i + N);
+    const auto v2 = LoadF32<kT>(d, x, i + 2 * N), v3 = LoadF32<kT>(d, x, i + 3 * N);
+    a0 = hn::MulAdd(v0, v0, a0);
+    a1 = hn::MulAdd(v1, v1, a1);
+    a2 = hn::MulAdd(v2, v2, a2);
+    a3 = hn::MulAdd(v3, v3, a3);
+  }
+  for (; i + N <= n; i += N) {
+    const auto v = LoadF32<kT>(d, x, i);
+    a0 = hn::MulAdd(v, v, a0);
+  }
+  if (i < n) {
+    HWY_ALIGN float tail[kPad] = {};
+    TailToF32<kT>(x, i, n - i, tail);
+    const auto v = hn::Load(d, tail);
+    a1 = hn::MulAdd(v, v, a1);
+  }
+  const auto total = hn::Add(hn::Add(a0, a1), hn::Add(a2, a3));
+  return hn::GetLane(hn::SumOfLanes(d, total));
+}
+
+// y = cast((x * r) * g)   (scale then cast: one rounding to y's dtype)
+template <DType kT>
+void ScaleRowT(const void* x, float r, const float* HWY_RESTRICT g, void* y, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const auto vr = hn::Set(d, r);
+  int64_t i = 0;
+  for (; i + N <= n; i += N) StoreF32<kT>(d, hn::Mul(hn::Mul(LoadF32<kT>(d, x, i), vr), hn::LoadU(d, g + i)), y, i);
+  if (i < n) {
+    HWY_ALIGN float tx[kPad] = {}, tg[kPad] = {}, ty[kPad];
+    TailToF32<kT>(x, i, n - i, tx);
+    std::memcpy(tg, g + i, static_cast<size_t>(n - i) * sizeof(float));
+    hn::Store(hn::Mul(hn::Mul(hn::Load(d, tx), vr), hn::Load(d, tg)), d, ty);
+    TailFromF32<kT>(ty, y, i, n - i);
+  }
+}
+
+// sum of (g*dy) * (x*r)
+template <DType kT>
+float GdyXhatDotT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const auto vr = hn::Set(d, r);
+  auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
+  auto term = [&](auto vg, auto vdy, auto vx) { return hn::Mul(hn::Mul(vg, vdy), hn::Mul(vx, vr)); };
+  auto at = [&](int64_t k) { return term(hn::LoadU(d, g + k), LoadF32<kT>(d, dy, k), LoadF32<kT>(d, x, k)); };
+  int64_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N) {
+    a0 = hn::Add(a0, at(i));
+    a1 = hn::Add(a1, at(i + N));
+    a2 = hn::Add(a2, at(i + 2 * N));
+    a3 = hn::Add(a3, at(i + 3 * N));
+  }
+  for (; i + N <= n; i += N) a0 = hn::Add(a0, at(i));
+  if (i < n) {
+    HWY_ALIGN float tg[kPad] = {}, tdy[kPad] = {}, tx[kPad] = {};
+    std::memcpy(tg, g + i, static_cast<size_t>(n - i) * sizeof(float));
+    TailToF32<kT>(dy, i, n - i, tdy);
+    TailToF32<kT>(x, i, n - i, tx);
+    a1 = hn::Add(a1, term(hn::Load(d, tg), hn::Load(d, tdy), hn::Load(d, tx)));
+  }
+  const auto total = hn::Add(hn::Add(a0, a1), hn::Add(a2, a3));
+  return hn::GetLane(hn::SumOfLanes(d, total));
+}
+
+// The same dot, and partial += dy*xhat (the trainable backward's dgamma
+// partial, accumulated in the pass that streams dy and x from memory: the dx
+// pass then is the frozen one, from cache).
+template <DType kT>
+float GdyXhatDotAccumulateT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r,
+                            float* HWY_RESTRICT partial, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const auto vr = hn::Set(d, r);
+  auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
+  auto at = [&](int64_t k) {
+    const auto vdy = LoadF32<kT>(d, dy, k);
+    const auto xhat = hn::Mul(LoadF32<kT>(d, x, k), vr);
+    hn::StoreU(hn::MulAdd(vdy, xhat, hn::LoadU(d, partial + k)), d, partial + k);
+    return hn::Mul(hn::Mul(hn::LoadU(d, g + k), vdy), xhat);
+  };
+  int64_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N) {
+    a0 = hn::Add(a0, at(i));
+    a1 = hn::Add(a1, at(i + N));
+    a2 = hn::Add(a2, at(i + 2 * N));
+    a3 = hn::Add(a3, at(i + 3 * N));
+  }
+  for (; i + N <= n; i += N) a0 = hn::Add(a0, at(i));
+  if (i < n) {
+    HWY_ALIGN float tg[kPad] = {}, tdy[kPad] = {}, tx[kPad] = {}, tp[kPad] = {};
+    const size_t bytes = static_cast<size_t>(n - i) * sizeof(float);
+    std::memcpy(tg, g + i, bytes);
+    TailToF32<kT>(dy, i, n - i, tdy);
+    TailToF32<kT>(x, i, n - i, tx);
+    std::memcpy(tp, partial + i, bytes);
+    const auto vdy = hn::Load(d, tdy);
+    const auto xhat = hn::Mul(hn::Load(d, tx), vr);
+    hn::Store(hn::MulAdd(vdy, xhat, hn::Load(d, tp)), d, tp);
+    a1 = hn::Add(a1, hn::Mul(hn::Mul(hn::Load(d, tg), vdy), xhat));
+    std::memcpy(partial + i, tp, bytes);
+  }
+  const auto total = hn::Add(hn::Add(a0, a1), hn::Add(a2, a3));
+  return hn::GetLane(hn::SumOfLanes(d, total));
+}
+
+// dx = r * (g*dy - xhat*m), xhat = x*r; with kAccumulate also partial += dy*xhat.
+// The frozen and trainable variants share this code, so their dx is bitwise equal.
+template <DType kT, bool kAccumulate>
+void DxRowT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r, float m, void* dx,
+            float* HWY_RESTRICT partial, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const auto vr = hn::Set(d, r);
+  const auto vm = hn::Set(d, m);
+  // Returns dx for one vector; updates the partial dgamma at pp.
+  auto step = [&](auto vg, auto vdy, auto vx, float* pp) {
+    const auto xhat = hn::Mul(vx, vr);
+    if constexpr (kAccumulate) hn::StoreU(hn::MulAdd(vdy, xhat, hn::LoadU(d, pp)), d, pp);
+    return hn::Mul(vr, hn::NegMulAdd(xhat, vm, hn::Mul(vg, vdy)));
+  };
+  int64_t i = 0;
+  for (; i + N <= n; i += N)
+    StoreF32<kT>(d, step(hn::LoadU(d, g + i), LoadF32<kT>(d, dy, i), LoadF32<kT>(d, x, i), partial + i), dx, i);
+  if (i < n) {
+    HWY_ALIGN float tg[kPad] = {}, tdy[kPad] = {}, tx[kPad] = {}, tdx[kPad], tp[kPad] = {};
+    const size_t bytes = static_cast<size_t>(n - i) * sizeof(float);
+    std::memcpy(tg, g + i, bytes);
+    TailToF32<kT>(dy, i, n - i, tdy);
+    TailToF32<kT>(x, i, n - i, tx);
+    if constexpr (kAccumulate) std::memcpy(tp, partial + i, bytes);
+    hn::Store(step(hn::Load(d, tg), hn::Load(d, tdy), hn::Load(d, tx), tp), d, tdx);
+    TailFromF32<kT>(tdx, dx, i, n - i);
+    if constexpr (kAccumulate) std::memcpy(partial + i, tp, bytes);
+  }
+}
+
+// Exported instantiations: fp32 rows (also the widened rows of other dtypes)
+// and bf16 rows read and written directly.
+float SumSquaresF32(const void* x, int64_t n) { return SumSquaresT<DType::kFloat32>(x, n); }
+float SumSquaresBF16(const void* x, int64_t n) { return SumSquaresT<DType::kBFloat16>(x, n); }
+void ScaleRowF32(const void* x, float r, const float* g, void* y, int64_t n) { ScaleRowT<DType::kFloat32>(x, r, g, y, n); }
+void ScaleRowBF16(const void* x, float r, const float* g, void* y, int64_t n) { ScaleRowT<DType::kBFloat16>(x, r, g, y, n); }
+float GdyXhatDotF32(const float* g, const void* dy, const void* x, float r, int64_t n) {
+  return GdyXhatDotT<DType::kFloat32>(g, dy, x, r, n);
+}
+float GdyXhatDotBF16(const float* g, const void* dy, const void* x, float r, int64_t n) {
+  return GdyXhatDotT<DType::kBFloat16>(g, dy, x, r, n);
+}
+float GdyXhatDotAccumulateF32(const float* g, const void* dy, const void* x, float r, float* p, int64_t n) {
+  return GdyXhatDotAccumulateT<DType::kFloat32>(g, dy, x, r, p, n);
+}
+float GdyXhatDotAccumulateBF16(const float* g, const void* dy, const void* x, float r, float* p, int64_t n) {
+  return GdyXhatDotAccumulateT<DType::kBFloat16>(g, dy, x, r, p, n);
+}
+void DxRowF32(const float* g, const void* dy, const void* x, float r, float m, void* dx, float* p, int64_t n) {
+  DxRowT<DType::kFloat32, false>(g, dy, x, r, m, dx, p, n);
+}
+void DxRowBF16(const float* g, const void* dy, const void* x, float r, float m, void* dx, float* p, int64_t n) {
+  DxRowT<DType::kBFloat16, false>(g, dy, x, r, m, dx, p, n);
+}
+void DxRowAccumulateF32(const float* g, const void* dy, const void* x, float r, float m, void* dx, float* p, int64_t n) {
+  DxRowT<DType::kFloat32, true>(g, dy, x, r, m, dx, p, n);
+}
+void DxRowAccumulateBF16(const float* g, const void* dy, const void* x, float r, float m, void* dx, float* p, int64_t n) {
+  DxRowT<DType::kBFloat16, true>(g, dy, x, r, m, dx, p, n);
+}
+
+// out = x * r
+void MulScalar(const float* x, float r, float* out, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const auto vr = hn::Set(d, r);
+  int64_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(hn::Mul(hn::LoadU(d, x + i), vr), d, out + i);
+  for (; i < n; ++i) out[i] = x[i] * r;
+}
+
+// out = g * t
+void MulRow(const float* HWY_RESTRICT g, const float* t, float* out, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  int64_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(hn::Mul(hn::LoadU(d, g + i), hn::LoadU(d, t + i)), d, out + i);
+  for (; i < n; ++i) out[i] = g[i] * t[i];
+}
+
+// dst += src
+void AddRow(float* HWY_RESTRICT dst, const float* HWY_RESTRICT src, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  int64_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(hn::Add(hn::LoadU(d, dst + i), hn::LoadU(d, src + i)), d, dst + i);
+  for (; i < n; ++i) dst[i] += src[i];
+}
+
+}  // namespace leanstep::rmsnorm::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace leanstep::rmsnorm {
+HWY_EXPORT(SumSquaresF32);
+HWY_EXPORT(SumSquaresBF16);
+HWY_EXPORT(ScaleRowF32);
+HWY_EXPORT(ScaleRowBF16);
+HWY_EXPORT(GdyXhatDotF32);
+HWY_EXPORT(GdyXhatDotBF16);
+HWY_EXPORT(GdyXhatDotAccumulateF32);
+HWY_EXPORT(GdyXhatDotAccumulateBF16);
+HWY_EXPORT(DxRowF32);
+HWY_EXPORT(DxRowBF16);
+HWY_EXPORT(DxRowAccumulateF32);
+HWY_EXPORT(DxRowAccumulateBF16);
+HWY_EXPORT(MulScalar);
+HWY_EXPORT(MulRow);
+HWY_EXPORT(AddRow);
+
+namespace detail {
+
+RowKernels row_kernels(bool bf16) {
+  RowKernels k;
+  k.sum_squares = bf16 ? HWY_DYNAMIC_DISPATCH(SumSquaresBF16) : HWY_DYNAMIC_DISPATCH(SumSquaresF32);
+  k.scale_row = bf16 ? HWY_DYNAMIC_DISPATCH(ScaleRowBF16) : HWY_DYNAMIC_DISPATCH(ScaleRowF32);
+  k.dot = bf16 ? HWY_DYNAMIC_DISPATCH(GdyXhatDotBF16) : HWY_DYNAMIC_DISPATCH(GdyXhatDotF32);
+  k.dot_accumulate =
+      bf16 ? HWY_DYNAMIC_DISPATCH(GdyXhatDotAccumulateBF16) : HWY_DYNAMIC_DISPATCH(GdyXhatDotAccumulateF32);
+  k.dx_row = bf16 ? HWY_DYNAMIC_DISPATCH(DxRowBF16) : HWY_DYNAMIC_DISPATCH(DxRowF32);
+  k.dx_row_accumulate = bf16 ? HWY_DYNAMIC_DISPATCH(DxRowAccumulateBF16) : HWY_DYNAMIC_DISPATCH(DxRowAccumulateF32);
+  return k;
+}
+
+void mul_scalar(const float* x, float r, float* out, int64_t n) { HWY_DYNAMIC_DISPATCH(MulScalar)(x, r, out, n); }
+void mul_row(const float* g, const float* t, float* out, int64_t n) { HWY_DYNAMIC_DISPATCH(MulRow)(g, t, out, n); }
+void add_row(float* dst, const float* src, int64_t n) { HWY_DYNAMIC_DISPATCH(AddRow)(dst, src, n); }
+
+}  // namespace detail
+}  // namespace leanstep::rmsnorm
+#endif
