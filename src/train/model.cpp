@@ -283,15 +283,21 @@ double Model<T>::forward_backward(const int32_t* tokens, int64_t batch, int64_t 
 
 template <class T>
 void Model<T>::layer_forward(int64_t l, LayerCache& c, const T* x_in, T* x_out) {
+  attention_forward(l, c, x_in);  // -> c.x_mid (residual included)
+  moe_forward(l, c, x_out);
+}
+
+// The attention block: input RMSNorm, QKV (LoRA), per-head q/k norms, RoPE,
+// causal softmax attention (GQA), the output projection (LoRA) and the residual.
+template <class T>
+void Model<T>::attention_forward(int64_t l, LayerCache& c, const T* x_in) {
   const auto& W = base_->layers[static_cast<size_t>(l)];
   const auto& S = slots_.layers[static_cast<size_t>(l)];
-  const int64_t n = ntok_, h = cfg_.hidden_size, d = cfg_.head_dim, nq = cfg_.num_attention_heads,
-                nkv = cfg_.num_key_value_heads, e = cfg_.num_experts, k = cfg_.num_experts_per_tok,
-                f = cfg_.moe_intermediate_size, r = lora_.rank;
-  const int64_t qdim = nq * d, kvdim = nkv * d, qkv_dim = qdim + 2 * kvdim, half = d / 2;
-  const double eps = cfg_.rms_norm_eps;
-
-  // ---- attention
+  [[maybe_unused]] const int64_t n = ntok_, h = cfg_.hidden_size, d = cfg_.head_dim, nq = cfg_.num_attention_heads,
+                                 nkv = cfg_.num_key_value_heads, e = cfg_.num_experts, k = cfg_.num_experts_per_tok,
+                                 f = cfg_.moe_intermediate_size, r = lora_.rank;
+  [[maybe_unused]] const int64_t qdim = nq * d, kvdim = nkv * d, qkv_dim = qdim + 2 * kvdim, half = d / 2;
+  [[maybe_unused]] const double eps = cfg_.rms_norm_eps;
   c.x_in.assign(x_in, x_in + n * h);
   resize(c.h1, n * h);
   resize(c.rstd1, n);
@@ -364,8 +370,19 @@ void Model<T>::layer_forward(int64_t l, LayerCache& c, const T* x_in, T* x_out) 
   linear_forward(n, qdim, h, c.o.data(), W.proj.data(), lora_of(S.proj_a, S.proj_b), c.proj_mid.data(),
                  c.x_mid.data());
   for (int64_t i = 0; i < n * h; ++i) c.x_mid[static_cast<size_t>(i)] += x_in[i];
+}
 
-  // ---- MoE
+// The MoE block: post-attention RMSNorm, the router (kernels_.route), permute,
+// the experts' SwiGLU MLPs (LoRA on fc1/fc2), unpermute and the residual.
+template <class T>
+void Model<T>::moe_forward(int64_t l, LayerCache& c, T* x_out) {
+  const auto& W = base_->layers[static_cast<size_t>(l)];
+  const auto& S = slots_.layers[static_cast<size_t>(l)];
+  [[maybe_unused]] const int64_t n = ntok_, h = cfg_.hidden_size, d = cfg_.head_dim, nq = cfg_.num_attention_heads,
+                                 nkv = cfg_.num_key_value_heads, e = cfg_.num_experts, k = cfg_.num_experts_per_tok,
+                                 f = cfg_.moe_intermediate_size, r = lora_.rank;
+  [[maybe_unused]] const int64_t qdim = nq * d, kvdim = nkv * d, qkv_dim = qdim + 2 * kvdim, half = d / 2;
+  [[maybe_unused]] const double eps = cfg_.rms_norm_eps;
   resize(c.h2, n * h);
   resize(c.rstd2, n);
   kernels_.rmsnorm_forward(c.x_mid.data(), W.post_norm.data(), n, h, eps, c.h2.data(), c.rstd2.data());
@@ -412,16 +429,22 @@ void Model<T>::layer_forward(int64_t l, LayerCache& c, const T* x_in, T* x_out) 
 
 template <class T>
 void Model<T>::layer_backward(int64_t l, LayerCache& c, T* dx) {
+  moe_backward(l, c, dx);        // dx: d(x_out) -> d(x_mid)
+  attention_backward(l, c, dx);  // dx: d(x_mid) -> d(x_in)
+}
+
+// Backward of moe_forward: dx is d(x_out) in, d(x_mid) out (the residual
+// passes it through unchanged, the norm's gradient is added).
+template <class T>
+void Model<T>::moe_backward(int64_t l, LayerCache& c, T* dx) {
   const auto& W = base_->layers[static_cast<size_t>(l)];
   const auto& S = slots_.layers[static_cast<size_t>(l)];
-  const int64_t n = ntok_, h = cfg_.hidden_size, d = cfg_.head_dim, nq = cfg_.num_attention_heads,
-                nkv = cfg_.num_key_value_heads, e = cfg_.num_experts, k = cfg_.num_experts_per_tok,
-                f = cfg_.moe_intermediate_size, r = lora_.rank;
-  const int64_t qdim = nq * d, kvdim = nkv * d, qkv_dim = qdim + 2 * kvdim, half = d / 2;
+  [[maybe_unused]] const int64_t n = ntok_, h = cfg_.hidden_size, d = cfg_.head_dim, nq = cfg_.num_attention_heads,
+                                 nkv = cfg_.num_key_value_heads, e = cfg_.num_experts, k = cfg_.num_experts_per_tok,
+                                 f = cfg_.moe_intermediate_size, r = lora_.rank;
+  [[maybe_unused]] const int64_t qdim = nq * d, kvdim = nkv * d, qkv_dim = qdim + 2 * kvdim, half = d / 2;
   const int64_t nout = n * k;
   std::vector<T> tmp;
-
-  // ---- MoE (dx is d(x_out); the residual passes it to x_mid unchanged)
   std::vector<T> dye(static_cast<size_t>(nout * h)), dprobs(static_cast<size_t>(nout));
   kernels_.unpermute_backward(dx, c.ye.data(), c.sorted.data(), c.permuted_probs.data(), nout, h, n, dye.data(),
                               dprobs.data());
@@ -489,8 +512,19 @@ void Model<T>::layer_backward(int64_t l, LayerCache& c, T* dx) {
   std::vector<T> dnorm(static_cast<size_t>(n * h));
   kernels_.rmsnorm_backward(dh2.data(), c.x_mid.data(), c.rstd2.data(), W.post_norm.data(), n, h, dnorm.data());
   for (int64_t i = 0; i < n * h; ++i) dx[i] += dnorm[static_cast<size_t>(i)];  // dx is now d(x_mid)
+}
 
-  // ---- attention
+// Backward of attention_forward: dx is d(x_mid) in, d(x_in) out.
+template <class T>
+void Model<T>::attention_backward(int64_t l, LayerCache& c, T* dx) {
+  const auto& W = base_->layers[static_cast<size_t>(l)];
+  const auto& S = slots_.layers[static_cast<size_t>(l)];
+  [[maybe_unused]] const int64_t n = ntok_, h = cfg_.hidden_size, d = cfg_.head_dim, nq = cfg_.num_attention_heads,
+                                 nkv = cfg_.num_key_value_heads, e = cfg_.num_experts, k = cfg_.num_experts_per_tok,
+                                 f = cfg_.moe_intermediate_size, r = lora_.rank;
+  [[maybe_unused]] const int64_t qdim = nq * d, kvdim = nkv * d, qkv_dim = qdim + 2 * kvdim, half = d / 2;
+  std::vector<T> tmp;
+  std::vector<T> dnorm(static_cast<size_t>(n * h));
   std::vector<T> d_o(static_cast<size_t>(n * qdim));
   linear_backward(n, qdim, h, c.o.data(), W.proj.data(), lora_of(S.proj_a, S.proj_b), c.proj_mid.data(), dx,
                   d_o.data(), tmp);

@@ -171,8 +171,14 @@ class Model {
     T scale = 0;
     bool on() const { return a != nullptr; }
   };
+  // A layer is two blocks, each a named forward/backward pair (as llm.c):
+  // attention (x_in -> c.x_mid) and MoE (c.x_mid -> x_out), residuals included.
   void layer_forward(int64_t l, LayerCache& c, const T* x_in, T* x_out);
   void layer_backward(int64_t l, LayerCache& c, T* dx);  // dx: in d(out), out d(in)
+  void attention_forward(int64_t l, LayerCache& c, const T* x_in);
+  void moe_forward(int64_t l, LayerCache& c, T* x_out);
+  void moe_backward(int64_t l, LayerCache& c, T* dx);        // d(x_out) -> d(x_mid)
+  void attention_backward(int64_t l, LayerCache& c, T* dx);  // d(x_mid) -> d(x_in)
   Lora lora_of(int64_t a, int64_t b) const;
   void rope_tables(int64_t seq);
 
