@@ -102,49 +102,24 @@ void ScaleRowT(const void* x, float r, const float* HWY_RESTRICT g, void* y, int
   }
 }
 
-// sum of (g*dy) * (x*r)
-template <DType kT>
-float GdyXhatDotT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r, int64_t n) {
+// sum of (g*dy) * (x*r); with kAccumulate also partial += dy*xhat (the
+// trainable backward's dgamma partial, accumulated in the pass that streams dy
+// and x from memory: the dx pass then is the frozen one, from cache).
+template <DType kT, bool kAccumulate>
+float GdyXhatDotT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r, float* HWY_RESTRICT partial,
+                  int64_t n) {
   const hn::ScalableTag<float> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const auto vr = hn::Set(d, r);
   auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
-  auto term = [&](auto vg, auto vdy, auto vx) { return hn::Mul(hn::Mul(vg, vdy), hn::Mul(vx, vr)); };
-  auto at = [&](int64_t k) { return term(hn::LoadU(d, g + k), LoadF32<kT>(d, dy, k), LoadF32<kT>(d, x, k)); };
-  int64_t i = 0;
-  for (; i + 4 * N <= n; i += 4 * N) {
-    a0 = hn::Add(a0, at(i));
-    a1 = hn::Add(a1, at(i + N));
-    a2 = hn::Add(a2, at(i + 2 * N));
-    a3 = hn::Add(a3, at(i + 3 * N));
-  }
-  for (; i + N <= n; i += N) a0 = hn::Add(a0, at(i));
-  if (i < n) {
-    HWY_ALIGN float tg[kPad] = {}, tdy[kPad] = {}, tx[kPad] = {};
-    std::memcpy(tg, g + i, static_cast<size_t>(n - i) * sizeof(float));
-    TailToF32<kT>(dy, i, n - i, tdy);
-    TailToF32<kT>(x, i, n - i, tx);
-    a1 = hn::Add(a1, term(hn::Load(d, tg), hn::Load(d, tdy), hn::Load(d, tx)));
-  }
-  const auto total = hn::Add(hn::Add(a0, a1), hn::Add(a2, a3));
-  return hn::GetLane(hn::SumOfLanes(d, total));
-}
-
-// The same dot, and partial += dy*xhat (the trainable backward's dgamma
-// partial, accumulated in the pass that streams dy and x from memory: the dx
-// pass then is the frozen one, from cache).
-template <DType kT>
-float GdyXhatDotAccumulateT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r,
-                            float* HWY_RESTRICT partial, int64_t n) {
-  const hn::ScalableTag<float> d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  const auto vr = hn::Set(d, r);
-  auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
+  // One vector's term; pp: its partial (kAccumulate only).
+  auto step = [&](auto vg, auto vdy, auto vx, float* pp) {
+    const auto xhat = hn::Mul(vx, vr);
+    if constexpr (kAccumulate) hn::StoreU(hn::MulAdd(vdy, xhat, hn::LoadU(d, pp)), d, pp);
+    return hn::Mul(hn::Mul(vg, vdy), xhat);
+  };
   auto at = [&](int64_t k) {
-    const auto vdy = LoadF32<kT>(d, dy, k);
-    const auto xhat = hn::Mul(LoadF32<kT>(d, x, k), vr);
-    hn::StoreU(hn::MulAdd(vdy, xhat, hn::LoadU(d, partial + k)), d, partial + k);
-    return hn::Mul(hn::Mul(hn::LoadU(d, g + k), vdy), xhat);
+    return step(hn::LoadU(d, g + k), LoadF32<kT>(d, dy, k), LoadF32<kT>(d, x, k), kAccumulate ? partial + k : nullptr);
   };
   int64_t i = 0;
   for (; i + 4 * N <= n; i += 4 * N) {
@@ -160,12 +135,9 @@ float GdyXhatDotAccumulateT(const float* HWY_RESTRICT g, const void* dy, const v
     std::memcpy(tg, g + i, bytes);
     TailToF32<kT>(dy, i, n - i, tdy);
     TailToF32<kT>(x, i, n - i, tx);
-    std::memcpy(tp, partial + i, bytes);
-    const auto vdy = hn::Load(d, tdy);
-    const auto xhat = hn::Mul(hn::Load(d, tx), vr);
-    hn::Store(hn::MulAdd(vdy, xhat, hn::Load(d, tp)), d, tp);
-    a1 = hn::Add(a1, hn::Mul(hn::Mul(hn::Load(d, tg), vdy), xhat));
-    std::memcpy(partial + i, tp, bytes);
+    if constexpr (kAccumulate) std::memcpy(tp, partial + i, bytes);
+    a1 = hn::Add(a1, step(hn::Load(d, tg), hn::Load(d, tdy), hn::Load(d, tx), tp));
+    if constexpr (kAccumulate) std::memcpy(partial + i, tp, bytes);
   }
   const auto total = hn::Add(hn::Add(a0, a1), hn::Add(a2, a3));
   return hn::GetLane(hn::SumOfLanes(d, total));
@@ -209,16 +181,16 @@ float SumSquaresBF16(const void* x, int64_t n) { return SumSquaresT<DType::kBFlo
 void ScaleRowF32(const void* x, float r, const float* g, void* y, int64_t n) { ScaleRowT<DType::kFloat32>(x, r, g, y, n); }
 void ScaleRowBF16(const void* x, float r, const float* g, void* y, int64_t n) { ScaleRowT<DType::kBFloat16>(x, r, g, y, n); }
 float GdyXhatDotF32(const float* g, const void* dy, const void* x, float r, int64_t n) {
-  return GdyXhatDotT<DType::kFloat32>(g, dy, x, r, n);
+  return GdyXhatDotT<DType::kFloat32, false>(g, dy, x, r, nullptr, n);
 }
 float GdyXhatDotBF16(const float* g, const void* dy, const void* x, float r, int64_t n) {
-  return GdyXhatDotT<DType::kBFloat16>(g, dy, x, r, n);
+  return GdyXhatDotT<DType::kBFloat16, false>(g, dy, x, r, nullptr, n);
 }
 float GdyXhatDotAccumulateF32(const float* g, const void* dy, const void* x, float r, float* p, int64_t n) {
-  return GdyXhatDotAccumulateT<DType::kFloat32>(g, dy, x, r, p, n);
+  return GdyXhatDotT<DType::kFloat32, true>(g, dy, x, r, p, n);
 }
 float GdyXhatDotAccumulateBF16(const float* g, const void* dy, const void* x, float r, float* p, int64_t n) {
-  return GdyXhatDotAccumulateT<DType::kBFloat16>(g, dy, x, r, p, n);
+  return GdyXhatDotT<DType::kBFloat16, true>(g, dy, x, r, p, n);
 }
 void DxRowF32(const float* g, const void* dy, const void* x, float r, float m, void* dx, float* p, int64_t n) {
   DxRowT<DType::kFloat32, false>(g, dy, x, r, m, dx, p, n);

@@ -282,6 +282,13 @@ double Model<T>::forward_backward(const int32_t* tokens, int64_t batch, int64_t 
 }
 
 template <class T>
+typename Model<T>::Dims Model<T>::dims() const {
+  const int64_t d = cfg_.head_dim, nq = cfg_.num_attention_heads, nkv = cfg_.num_key_value_heads;
+  return {ntok_, cfg_.hidden_size, d, nq, nkv, cfg_.num_experts, cfg_.num_experts_per_tok,
+          cfg_.moe_intermediate_size, lora_.rank, nq * d, nkv * d, nq * d + 2 * nkv * d, d / 2};
+}
+
+template <class T>
 void Model<T>::layer_forward(int64_t l, LayerCache& c, const T* x_in, T* x_out) {
   attention_forward(l, c, x_in);  // -> c.x_mid (residual included)
   moe_forward(l, c, x_out);
@@ -293,10 +300,7 @@ template <class T>
 void Model<T>::attention_forward(int64_t l, LayerCache& c, const T* x_in) {
   const auto& W = base_->layers[static_cast<size_t>(l)];
   const auto& S = slots_.layers[static_cast<size_t>(l)];
-  [[maybe_unused]] const int64_t n = ntok_, h = cfg_.hidden_size, d = cfg_.head_dim, nq = cfg_.num_attention_heads,
-                                 nkv = cfg_.num_key_value_heads, e = cfg_.num_experts, k = cfg_.num_experts_per_tok,
-                                 f = cfg_.moe_intermediate_size, r = lora_.rank;
-  [[maybe_unused]] const int64_t qdim = nq * d, kvdim = nkv * d, qkv_dim = qdim + 2 * kvdim, half = d / 2;
+  [[maybe_unused]] const auto [n, h, d, nq, nkv, e, k, f, r, qdim, kvdim, qkv_dim, half] = dims();
   [[maybe_unused]] const double eps = cfg_.rms_norm_eps;
   c.x_in.assign(x_in, x_in + n * h);
   resize(c.h1, n * h);
@@ -378,10 +382,7 @@ template <class T>
 void Model<T>::moe_forward(int64_t l, LayerCache& c, T* x_out) {
   const auto& W = base_->layers[static_cast<size_t>(l)];
   const auto& S = slots_.layers[static_cast<size_t>(l)];
-  [[maybe_unused]] const int64_t n = ntok_, h = cfg_.hidden_size, d = cfg_.head_dim, nq = cfg_.num_attention_heads,
-                                 nkv = cfg_.num_key_value_heads, e = cfg_.num_experts, k = cfg_.num_experts_per_tok,
-                                 f = cfg_.moe_intermediate_size, r = lora_.rank;
-  [[maybe_unused]] const int64_t qdim = nq * d, kvdim = nkv * d, qkv_dim = qdim + 2 * kvdim, half = d / 2;
+  [[maybe_unused]] const auto [n, h, d, nq, nkv, e, k, f, r, qdim, kvdim, qkv_dim, half] = dims();
   [[maybe_unused]] const double eps = cfg_.rms_norm_eps;
   resize(c.h2, n * h);
   resize(c.rstd2, n);
@@ -439,10 +440,7 @@ template <class T>
 void Model<T>::moe_backward(int64_t l, LayerCache& c, T* dx) {
   const auto& W = base_->layers[static_cast<size_t>(l)];
   const auto& S = slots_.layers[static_cast<size_t>(l)];
-  [[maybe_unused]] const int64_t n = ntok_, h = cfg_.hidden_size, d = cfg_.head_dim, nq = cfg_.num_attention_heads,
-                                 nkv = cfg_.num_key_value_heads, e = cfg_.num_experts, k = cfg_.num_experts_per_tok,
-                                 f = cfg_.moe_intermediate_size, r = lora_.rank;
-  [[maybe_unused]] const int64_t qdim = nq * d, kvdim = nkv * d, qkv_dim = qdim + 2 * kvdim, half = d / 2;
+  [[maybe_unused]] const auto [n, h, d, nq, nkv, e, k, f, r, qdim, kvdim, qkv_dim, half] = dims();
   const int64_t nout = n * k;
   std::vector<T> tmp;
   std::vector<T> dye(static_cast<size_t>(nout * h)), dprobs(static_cast<size_t>(nout));
@@ -519,10 +517,7 @@ template <class T>
 void Model<T>::attention_backward(int64_t l, LayerCache& c, T* dx) {
   const auto& W = base_->layers[static_cast<size_t>(l)];
   const auto& S = slots_.layers[static_cast<size_t>(l)];
-  [[maybe_unused]] const int64_t n = ntok_, h = cfg_.hidden_size, d = cfg_.head_dim, nq = cfg_.num_attention_heads,
-                                 nkv = cfg_.num_key_value_heads, e = cfg_.num_experts, k = cfg_.num_experts_per_tok,
-                                 f = cfg_.moe_intermediate_size, r = lora_.rank;
-  [[maybe_unused]] const int64_t qdim = nq * d, kvdim = nkv * d, qkv_dim = qdim + 2 * kvdim, half = d / 2;
+  [[maybe_unused]] const auto [n, h, d, nq, nkv, e, k, f, r, qdim, kvdim, qkv_dim, half] = dims();
   std::vector<T> tmp;
   std::vector<T> dnorm(static_cast<size_t>(n * h));
   std::vector<T> d_o(static_cast<size_t>(n * qdim));

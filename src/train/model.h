@@ -173,6 +173,12 @@ class Model {
   };
   // A layer is two blocks, each a named forward/backward pair (as llm.c):
   // attention (x_in -> c.x_mid) and MoE (c.x_mid -> x_out), residuals included.
+  // The sizes every block uses: tokens, hidden, head dim, heads, kv heads,
+  // experts, top-k, expert FFN, LoRA rank, q / kv / qkv widths, half head dim.
+  struct Dims {
+    int64_t n, h, d, nq, nkv, e, k, f, r, qdim, kvdim, qkv_dim, half;
+  };
+  Dims dims() const;
   void layer_forward(int64_t l, LayerCache& c, const T* x_in, T* x_out);
   void layer_backward(int64_t l, LayerCache& c, T* dx);  // dx: in d(out), out d(in)
   void attention_forward(int64_t l, LayerCache& c, const T* x_in);
