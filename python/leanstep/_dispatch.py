@@ -66,10 +66,12 @@ def group_enabled(group):
 def paths():
     """``{"preset", "ops": {op: {"fast_paths_enabled", "cpu": {...C++ report...},
     "implementations": {backend: how}, "calls": {backend: {device_type: n}},
-    "reasons": {backend: {device_type: {why: n}}}}}}``: every op of the
-    vocabulary with its CPU implementations (installed, active, guards, calls
-    and reasons), the device backends' implementations, the calls each
-    backend ran per device, and why that backend ran them."""
+    "reasons": {backend: {device_type: {why: n}}}, "megatron": {patch: {...}}}}}``:
+    every op of the vocabulary with its CPU implementations (installed,
+    active, guards, calls and reasons), the device backends' implementations,
+    the calls each backend ran per device and why, and the Megatron-Core
+    patches' calls (run by leanstep per backend:device, or delegated with the
+    reason) when leanstep.megatron is in use."""
     report = {"preset": preset(), "ops": {}}
     if "dispatch_paths_json" in dir(_leanstep):
         cpp = json.loads(_leanstep.dispatch_paths_json())
@@ -89,7 +91,27 @@ def paths():
     for name, backends in _backend.reasons().items():
         entry = report["ops"].setdefault(name, {"fast_paths_enabled": op_enabled(name)})
         entry["reasons"] = backends
+    for op, patches in _megatron_calls().items():
+        entry = report["ops"].setdefault(op, {"fast_paths_enabled": op_enabled(op)})
+        entry["megatron"] = patches
     return report
+
+
+def _megatron_calls():
+    """``{op: {patch: {"leanstep": {backend:device: n}, "delegated": {reason: n}}}}``
+    of the Megatron-Core patches that ran, when leanstep.megatron is in use
+    (never imported from here)."""
+    import sys
+
+    package = sys.modules.get("leanstep.megatron")
+    if package is None:
+        return {}
+    ops = {spec.name: spec.op for spec in package.PATCHES}
+    out = {}
+    for name, calls in package.report()["calls"].items():
+        out.setdefault(ops.get(name, name), {})[name] = {"leanstep": dict(calls["paths"]),
+                                                       "delegated": dict(calls["delegated"])}
+    return out
 
 
 def format_paths():
@@ -117,11 +139,21 @@ def format_paths():
             for device, whys in sorted(devices.items()):
                 for why, n in sorted(whys.items()):
                     lines.append(f"    {backend} on {device}, {n}x: {why}")
+        for patch, calls in sorted(op.get("megatron", {}).items()):
+            ran = ", ".join(f"{k} {v}" for k, v in sorted(calls["leanstep"].items())) or "0"
+            delegated = ", ".join(f"{k} {v}" for k, v in sorted(calls["delegated"].items()))
+            lines.append(f"  megatron patch {patch}: leanstep {ran}"
+                         + (f"; delegated: {delegated}" if delegated else ""))
     return "\n".join(lines)
 
 
 def reset_paths():
-    """Clears every call count (C++ registry and device backends)."""
+    """Clears every call count (C++ registry, device backends, Megatron patches)."""
+    import sys
+
     if "dispatch_reset_stats" in dir(_leanstep):
         _leanstep.dispatch_reset_stats()
     _backend.reset_calls()
+    patching = sys.modules.get("leanstep.megatron._patching")
+    if patching is not None:
+        patching.reset_call_counts()

@@ -66,6 +66,22 @@ def test_megatron_families_are_the_preset():
     assert lm.active() == []
 
 
+def test_megatron_patch_calls_join_the_one_report():
+    lm = pytest.importorskip("leanstep.megatron")
+    from leanstep.megatron import _patching
+
+    leanstep.reset_paths()
+    _patching.count("permute", "cuda", "triton")
+    _patching.count("permute", reason="fused")
+    entry = leanstep.paths()["ops"]["moe.permute"]["megatron"]["permute"]
+    assert entry == {"leanstep": {"triton:cuda": 1}, "delegated": {"fused": 1}}
+    assert "megatron patch permute: leanstep triton:cuda 1; delegated: fused 1" in \
+        leanstep.format_paths()
+    assert lm.report()["calls"]["permute"]["leanstep"] == 1
+    leanstep.reset_paths()  # one reset for every count
+    assert "megatron" not in leanstep.paths()["ops"]["moe.permute"]
+
+
 def test_every_op_lists_its_implementations_per_backend():
     ops = leanstep.paths()["ops"]
     for name in ("grad.norm", "grad.clip", "rmsnorm.forward", "moe.permute", "moe.unpermute"):
