@@ -3,8 +3,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -199,14 +201,28 @@ json to_json(const CrossoverPlan& plan) {
 CrossoverPlan plan_from_json(const json& j, const std::string& name) {
   auto bad = [&](const std::string& what) { throw Error(fmt::format("{}: {}", name, what)); };
   if (!j.is_object()) bad("a crossover plan must be a JSON object");
+  // A JSON integer in int64 range; anything else (a float such as 1e300 or a
+  // literal too large for 64 bits, which the parser keeps as a double, or a
+  // string) is an error naming the key, never a cast out of range.
+  auto integer = [&](const char* key, std::optional<int64_t> fallback) -> int64_t {
+    if (!j.contains(key)) {
+      if (!fallback) bad(fmt::format("malformed crossover plan (key '{}' not found)", key));
+      return *fallback;
+    }
+    const json& v = j.at(key);
+    if (!v.is_number_integer() ||
+        (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)))
+      bad(fmt::format("'{}' must be an integer in [0, 2^40] (got {})", key, v.dump()));
+    return v.get<int64_t>();
+  };
   CrossoverPlan p;
   try {
     p.conditions = j.at("conditions").get<std::vector<std::string>>();
     p.allocations = j.contains("allocations") ? j.at("allocations").get<std::vector<std::string>>()
                                               : std::vector<std::string>{"default"};
-    p.block_steps = j.at("block_steps").get<int64_t>();
-    p.warmup = j.value("warmup", int64_t{0});
-    p.exclude_after_transition = j.value("exclude_after_transition", int64_t{0});
+    p.block_steps = integer("block_steps", std::nullopt);
+    p.warmup = integer("warmup", int64_t{0});
+    p.exclude_after_transition = integer("exclude_after_transition", int64_t{0});
     p.design = j.value("design", std::string("custom"));
     for (const auto& r : j.at("runs")) {
       PlannedRun run;

@@ -96,6 +96,25 @@ TEST(StatsLimits, PlanSizesBeyondTheLimitsAreErrorsNotOverflow) {
   nlohmann::json j = to_json(plan_crossover({"A", "B"}, 2, 3, 0));
   j["block_steps"] = int64_t{1} << 62;
   EXPECT_LEANSTEP_ERROR(plan_from_json(j, "p.json"), "p.json: 'block_steps' must be in [1, 2^40]");
+  // Numbers that are not int64 integers are errors naming the key, never a
+  // cast out of range (a literal too large for 64 bits parses as a double).
+  for (const char* key : {"warmup", "block_steps", "exclude_after_transition"}) {
+    SCOPED_TRACE(key);
+    nlohmann::json k = to_json(plan_crossover({"A", "B"}, 2, 3, 0));
+    k[key] = nlohmann::json::parse("166666666666666666666666666666666666666666666666666666666666660");
+    EXPECT_LEANSTEP_ERROR(plan_from_json(k, "p.json"), std::string("'") + key + "' must be an integer");
+    k[key] = 1e300;
+    EXPECT_LEANSTEP_ERROR(plan_from_json(k, "p.json"), std::string("'") + key + "' must be an integer");
+    k[key] = 2.5;
+    EXPECT_LEANSTEP_ERROR(plan_from_json(k, "p.json"), "must be an integer");
+    k[key] = "3";
+    EXPECT_LEANSTEP_ERROR(plan_from_json(k, "p.json"), "must be an integer");
+    k[key] = nlohmann::json::parse("18446744073709551615");  // uint64 max
+    EXPECT_LEANSTEP_ERROR(plan_from_json(k, "p.json"), "must be an integer");
+  }
+  nlohmann::json missing = to_json(plan_crossover({"A", "B"}, 2, 3, 0));
+  missing.erase("block_steps");
+  EXPECT_LEANSTEP_ERROR(plan_from_json(missing, "p.json"), "key 'block_steps' not found");
 }
 
 }  // namespace
