@@ -301,9 +301,6 @@ class OpBase {
   std::vector<std::string> installed() const;
   // The implementation a call would try first ("" if only the reference remains).
   std::string active() const;
-  // Every implementation this op knows (installed or not), oldest first, and
-  // not the reference. With Op::call_impl, what the conformance harness runs.
-  std::vector<std::string> known() const;
   OpReport report() const;
   void reset_stats();
 

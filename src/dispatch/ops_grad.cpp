@@ -6,12 +6,17 @@ namespace leanstep::ops {
 namespace {
 
 // The fused path works on the plan's coalesced regions; a plan made only of
-// generic views (strided, scattered) gains nothing from it.
+// generic views (strided, scattered) gains nothing from it. The guard of a
+// plan op takes that op's arguments: its type follows from the signature.
+template <class Sig>
+struct NeedsRegions;
 template <class... Rest>
-const char* needs_regions(const grad::PlanView& plan, Rest...) {
-  return plan.num_regions() == 0 && plan.num_generic() > 0 ? "plan has no coalesced region (every view is generic)"
-                                                           : nullptr;
-}
+struct NeedsRegions<void(const grad::PlanView&, Rest...)> {
+  static const char* guard(const grad::PlanView& plan, Rest...) {
+    return plan.num_regions() == 0 && plan.num_generic() > 0 ? "plan has no coalesced region (every view is generic)"
+                                                             : nullptr;
+  }
+};
 constexpr const char* kRegionsGuardDoc = "plans with at least one coalesced region (or empty plans)";
 
 // ---- references: the per-tensor loop over the plan's listed views
@@ -21,14 +26,17 @@ void norm_reference(const grad::PlanView& plan, const Tensor& out_norm, double n
   grad::reference::norm(plan.views(), out_norm, norm_type, found_inf, comm);
 }
 void unscale_norm_reference(const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm,
-                            const Tensor& found_inf, double norm_type, comm::Communicator* comm, const dispatch::Context&) {
+                            const Tensor& found_inf, double norm_type, comm::Communicator* comm,
+                            const dispatch::Context&) {
   grad::reference::unscale_norm(plan.views(), inv_scale, out_norm, found_inf, norm_type, comm);
 }
-void clip_reference(const grad::PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff, const dispatch::Context&) {
+void clip_reference(const grad::PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff,
+                    const dispatch::Context&) {
   grad::reference::clip(plan.views(), total_norm, max_norm, out_coeff);
 }
 void norm_clip_reference(const grad::PlanView& plan, double max_norm, const Tensor& out_norm, double norm_type,
-                         const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm, const dispatch::Context&) {
+                         const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm,
+                         const dispatch::Context&) {
   grad::reference::norm_clip(plan.views(), max_norm, out_norm, norm_type, found_inf, out_coeff, comm);
 }
 // Like the frameworks' fallback: the scale is read on the host, then each view
@@ -39,7 +47,8 @@ void scale_reference(const grad::PlanView& plan, const Tensor& scale, const disp
   const Tensor found_inf(&found, DType::kFloat32, {1});
   grad::reference::multi_tensor_scale(plan.views(), plan.views(), s, found_inf);
 }
-void count_zeros_reference(const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm, const dispatch::Context&) {
+void count_zeros_reference(const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm,
+                           const dispatch::Context&) {
   grad::reference::count_zeros(plan.views(), out_count, comm);
 }
 void multi_tensor_scale_reference(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,
@@ -54,18 +63,24 @@ void norm_fused(const grad::PlanView& plan, const Tensor& out_norm, double norm_
   grad::norm(plan, out_norm, norm_type, found_inf, comm);
 }
 void unscale_norm_fused(const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm,
-                        const Tensor& found_inf, double norm_type, comm::Communicator* comm, const dispatch::Context&) {
+                        const Tensor& found_inf, double norm_type, comm::Communicator* comm,
+                        const dispatch::Context&) {
   grad::unscale_norm(plan, inv_scale, out_norm, found_inf, norm_type, comm);
 }
-void clip_fused(const grad::PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff, const dispatch::Context&) {
+void clip_fused(const grad::PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff,
+                const dispatch::Context&) {
   grad::clip(plan, total_norm, max_norm, out_coeff);
 }
 void norm_clip_fused(const grad::PlanView& plan, double max_norm, const Tensor& out_norm, double norm_type,
-                     const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm, const dispatch::Context&) {
+                     const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm,
+                     const dispatch::Context&) {
   grad::norm_clip(plan, max_norm, out_norm, norm_type, found_inf, out_coeff, comm);
 }
-void scale_fused(const grad::PlanView& plan, const Tensor& scale, const dispatch::Context&) { grad::scale(plan, scale); }
-void count_zeros_fused(const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm, const dispatch::Context&) {
+void scale_fused(const grad::PlanView& plan, const Tensor& scale, const dispatch::Context&) {
+  grad::scale(plan, scale);
+}
+void count_zeros_fused(const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm,
+                       const dispatch::Context&) {
   grad::count_zeros(plan, out_count, comm);
 }
 void multi_tensor_scale_fused(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,
@@ -73,12 +88,14 @@ void multi_tensor_scale_fused(std::span<const Tensor> in, std::span<const Tensor
   grad::multi_tensor_scale(in, out, scale, found_inf);
 }
 
-// One slot per function: reference plus the built-in fused implementation.
-template <class Sig, class Fn, class Guard>
-dispatch::Op<Sig>* make_op(const char* name, Fn reference, Fn fused, Guard guard, const char* guard_doc) {
+// One slot per function: reference plus the built-in fused implementation,
+// guarded by NeedsRegions for plan ops.
+template <class Sig, bool kPlanOp = true>
+dispatch::Op<Sig>* make_op(const char* name, typename dispatch::Op<Sig>::Fn reference,
+                           typename dispatch::Op<Sig>::Fn fused) {
   auto* op = new dispatch::Op<Sig>(name, "reference", reference);
-  if constexpr (std::is_same_v<Guard, std::nullptr_t>) op->install("fused", fused, "", "built-in");
-  else op->install("fused", fused, guard, guard_doc, "built-in");
+  if constexpr (kPlanOp) op->install("fused", fused, &NeedsRegions<Sig>::guard, kRegionsGuardDoc, "built-in");
+  else op->install("fused", fused, "", "built-in");
   return op;
 }
 
@@ -87,43 +104,32 @@ dispatch::Op<Sig>* make_op(const char* name, Fn reference, Fn fused, Guard guard
 // Slots are created on first use and never destroyed (calls from static
 // destructors elsewhere stay valid).
 dispatch::Op<GradNormSig>& grad_norm_op() {
-  static auto* op = make_op<GradNormSig>("grad.norm", &norm_reference, &norm_fused,
-                                         &needs_regions<const Tensor&, double, const Tensor*, comm::Communicator*, const dispatch::Context&>,
-                                         kRegionsGuardDoc);
+  static auto* op = make_op<GradNormSig>("grad.norm", &norm_reference, &norm_fused);
   return *op;
 }
 dispatch::Op<GradUnscaleNormSig>& grad_unscale_norm_op() {
-  static auto* op = make_op<GradUnscaleNormSig>(
-      "grad.unscale_norm", &unscale_norm_reference, &unscale_norm_fused,
-      &needs_regions<const Tensor&, const Tensor&, const Tensor&, double, comm::Communicator*, const dispatch::Context&>, kRegionsGuardDoc);
+  static auto* op = make_op<GradUnscaleNormSig>("grad.unscale_norm", &unscale_norm_reference, &unscale_norm_fused);
   return *op;
 }
 dispatch::Op<GradClipSig>& grad_clip_op() {
-  static auto* op = make_op<GradClipSig>("grad.clip", &clip_reference, &clip_fused,
-                                         &needs_regions<const Tensor&, double, const Tensor*, const dispatch::Context&>, kRegionsGuardDoc);
+  static auto* op = make_op<GradClipSig>("grad.clip", &clip_reference, &clip_fused);
   return *op;
 }
 dispatch::Op<GradNormClipSig>& grad_norm_clip_op() {
-  static auto* op = make_op<GradNormClipSig>(
-      "grad.norm_clip", &norm_clip_reference, &norm_clip_fused,
-      &needs_regions<double, const Tensor&, double, const Tensor*, const Tensor*, comm::Communicator*, const dispatch::Context&>,
-      kRegionsGuardDoc);
+  static auto* op = make_op<GradNormClipSig>("grad.norm_clip", &norm_clip_reference, &norm_clip_fused);
   return *op;
 }
 dispatch::Op<GradScaleSig>& grad_scale_op() {
-  static auto* op = make_op<GradScaleSig>("grad.scale", &scale_reference, &scale_fused,
-                                          &needs_regions<const Tensor&, const dispatch::Context&>, kRegionsGuardDoc);
+  static auto* op = make_op<GradScaleSig>("grad.scale", &scale_reference, &scale_fused);
   return *op;
 }
 dispatch::Op<GradCountZerosSig>& grad_count_zeros_op() {
-  static auto* op = make_op<GradCountZerosSig>("grad.count_zeros", &count_zeros_reference, &count_zeros_fused,
-                                               &needs_regions<const Tensor&, comm::Communicator*, const dispatch::Context&>,
-                                               kRegionsGuardDoc);
+  static auto* op = make_op<GradCountZerosSig>("grad.count_zeros", &count_zeros_reference, &count_zeros_fused);
   return *op;
 }
 dispatch::Op<GradMultiTensorScaleSig>& grad_multi_tensor_scale_op() {
-  static auto* op = make_op<GradMultiTensorScaleSig>("grad.multi_tensor_scale", &multi_tensor_scale_reference,
-                                                     &multi_tensor_scale_fused, nullptr, "");
+  static auto* op = make_op<GradMultiTensorScaleSig, false>("grad.multi_tensor_scale", &multi_tensor_scale_reference,
+                                                            &multi_tensor_scale_fused);
   return *op;
 }
 
@@ -132,18 +138,24 @@ void grad_norm(const grad::PlanView& plan, const Tensor& out_norm, double norm_t
   grad_norm_op()(plan, out_norm, norm_type, found_inf, comm, ctx);
 }
 void grad_unscale_norm(const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm,
-                       const Tensor& found_inf, double norm_type, comm::Communicator* comm, const dispatch::Context& ctx) {
+                       const Tensor& found_inf, double norm_type, comm::Communicator* comm,
+                       const dispatch::Context& ctx) {
   grad_unscale_norm_op()(plan, inv_scale, out_norm, found_inf, norm_type, comm, ctx);
 }
-void grad_clip(const grad::PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff, const dispatch::Context& ctx) {
+void grad_clip(const grad::PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff,
+               const dispatch::Context& ctx) {
   grad_clip_op()(plan, total_norm, max_norm, out_coeff, ctx);
 }
 void grad_norm_clip(const grad::PlanView& plan, double max_norm, const Tensor& out_norm, double norm_type,
-                    const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm, const dispatch::Context& ctx) {
+                    const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm,
+                    const dispatch::Context& ctx) {
   grad_norm_clip_op()(plan, max_norm, out_norm, norm_type, found_inf, out_coeff, comm, ctx);
 }
-void grad_scale(const grad::PlanView& plan, const Tensor& scale, const dispatch::Context& ctx) { grad_scale_op()(plan, scale, ctx); }
-void grad_count_zeros(const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm, const dispatch::Context& ctx) {
+void grad_scale(const grad::PlanView& plan, const Tensor& scale, const dispatch::Context& ctx) {
+  grad_scale_op()(plan, scale, ctx);
+}
+void grad_count_zeros(const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm,
+                      const dispatch::Context& ctx) {
   grad_count_zeros_op()(plan, out_count, comm, ctx);
 }
 void grad_multi_tensor_scale(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,

@@ -17,7 +17,8 @@ void unpermute(const Tensor& permuted, const Tensor& sorted_indices, const Tenso
   moe::unpermute(permuted, sorted_indices, out, probs, routing_map, drop_and_pad, kMethod);
 }
 template <moe::Method kMethod>
-void permute_backward(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens, const dispatch::Context&) {
+void permute_backward(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens,
+                      const dispatch::Context&) {
   moe::permute_backward(dpermuted, sorted_indices, dtokens, kMethod);
 }
 template <moe::Method kMethod>
@@ -72,13 +73,15 @@ void moe_unpermute(const Tensor& permuted, const Tensor& sorted_indices, const T
                    const Tensor* routing_map, bool drop_and_pad, const dispatch::Context& ctx) {
   moe_unpermute_op()(permuted, sorted_indices, out, probs, routing_map, drop_and_pad, ctx);
 }
-void moe_permute_backward(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens, const dispatch::Context& ctx) {
+void moe_permute_backward(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens,
+                          const dispatch::Context& ctx) {
   moe_permute_backward_op()(dpermuted, sorted_indices, dtokens, ctx);
 }
 void moe_unpermute_backward(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices,
                             const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
                             const Tensor& dpermuted, const Tensor* dprobs, const dispatch::Context& ctx) {
-  moe_unpermute_backward_op()(dout, permuted, sorted_indices, probs, routing_map, drop_and_pad, dpermuted, dprobs, ctx);
+  moe_unpermute_backward_op()(dout, permuted, sorted_indices, probs, routing_map, drop_and_pad, dpermuted, dprobs,
+                              ctx);
 }
 
 }  // namespace leanstep::ops

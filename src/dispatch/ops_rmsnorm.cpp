@@ -50,7 +50,8 @@ void forward_fused(const Tensor& x, const Tensor& gamma, const Tensor& y, const 
   rmsnorm::forward_fused(x, gamma, y, rstd, options);
 }
 void backward_reference(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma, const Tensor& dx,
-                        const Tensor* dgamma, const rmsnorm::Options& options, const rmsnorm::CallContext&, const dispatch::Context&) {
+                        const Tensor* dgamma, const rmsnorm::Options& options, const rmsnorm::CallContext&,
+                        const dispatch::Context&) {
   rmsnorm::backward_reference(dy, x, rstd, gamma, dx, dgamma, options);
 }
 void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma, const Tensor& dx,
@@ -99,12 +100,14 @@ dispatch::Op<RmsnormBackwardSig>& rmsnorm_backward_op() {
 }
 
 void rmsnorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,
-                     const rmsnorm::Options& options, const rmsnorm::CallContext& context, const dispatch::Context& ctx) {
+                     const rmsnorm::Options& options, const rmsnorm::CallContext& context,
+                     const dispatch::Context& ctx) {
   rmsnorm_forward_op()(x, gamma, y, rstd, options, context, ctx);
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma, const Tensor& dx,
-                      const Tensor* dgamma, const rmsnorm::Options& options, const rmsnorm::CallContext& context, const dispatch::Context& ctx) {
+                      const Tensor* dgamma, const rmsnorm::Options& options, const rmsnorm::CallContext& context,
+                      const dispatch::Context& ctx) {
   constexpr const char* where = "ops::rmsnorm_backward";
   if (context.weight_requires_grad)
     LEANSTEP_CHECK_ARG(dgamma != nullptr, where, "dgamma", "must be given when the weight requires grad");

@@ -232,13 +232,6 @@ std::vector<std::string> OpBase::installed() const {
   return names;
 }
 
-std::vector<std::string> OpBase::known() const {
-  std::lock_guard lock(mutex_);
-  std::vector<std::string> names;
-  for (const auto& r : known_) names.push_back(r->name);
-  return names;
-}
-
 std::pair<GenericFn, GenericFn> OpBase::entry(std::string_view impl_name) const {
   if (impl_name == reference_name_) return {reference_, nullptr};
   std::lock_guard lock(mutex_);
