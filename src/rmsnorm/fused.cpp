@@ -118,10 +118,13 @@ void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const
   const bool direct = dy.dtype == x.dtype && dx.dtype == x.dtype && direct_dtype(x.dtype);
   const bool bf16 = direct && x.dtype == DType::kBFloat16;
   const detail::RowKernels kernels = detail::row_kernels(bf16);
-  const auto dot_fn = kernels.dot;
-  const auto dx_fn = trainable ? kernels.dx_row_accumulate : kernels.dx_row;
-  const auto dot_accumulate_fn = kernels.dot_accumulate;
-  const auto dx_row_fn = kernels.dx_row;
+  // Pass 1: the mean of g*dy*xhat (trainable: the dgamma partial too, in the
+  // pass that streams dy and x); pass 2: dx, the frozen kernel, from cache.
+  auto mean_dot = [&](const void* dyr, const void* xr, float r, float* partial) {
+    const float dot = partial ? kernels.dot_accumulate(g.data(), dyr, xr, r, partial, h)
+                              : kernels.dot(g.data(), dyr, xr, r, h);
+    return dot / static_cast<float>(h);
+  };
 
   // Trainable only: one fp32 partial dgamma row per fixed chunk of rows, in the
   // caller's workspace when it is large enough.
@@ -145,11 +148,7 @@ void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const
         const void* dyr = row_ptr(dy, row, h);
         const void* xr = row_ptr(x, row, h);
         const float r = rstd_in[row];
-        // Trainable: the dgamma partial is accumulated in the first pass, so
-        // the dx pass is the frozen one (the same bits either way).
-        const float dot = trainable ? dot_accumulate_fn(g.data(), dyr, xr, r, partial, h)
-                                    : dot_fn(g.data(), dyr, xr, r, h);
-        dx_row_fn(g.data(), dyr, xr, r, dot / static_cast<float>(h), row_ptr_mut(dx, row, h), nullptr, h);
+        kernels.dx_row(g.data(), dyr, xr, r, mean_dot(dyr, xr, r, partial), row_ptr_mut(dx, row, h), h);
       }
       return;
     }
@@ -158,9 +157,8 @@ void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const
       const float* dyr = row_as_f32(dy, row, h, scratch.row(0));
       const float* xr = row_as_f32(x, row, h, scratch.row(1));
       const float r = rstd_in[row];
-      const float mean_dot = dot_fn(g.data(), dyr, xr, r, h) / static_cast<float>(h);
       float* out = dx.dtype == DType::kFloat32 ? static_cast<float*>(row_ptr_mut(dx, row, h)) : scratch.row(2);
-      dx_fn(g.data(), dyr, xr, r, mean_dot, out, partial, h);
+      kernels.dx_row(g.data(), dyr, xr, r, mean_dot(dyr, xr, r, partial), out, h);
       if (dx.dtype != DType::kFloat32) convert_from_f32(out, row_ptr_mut(dx, row, h), dx.dtype, h);
     }
   });

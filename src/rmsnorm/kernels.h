@@ -17,11 +17,8 @@ struct RowKernels {
   float (*dot)(const float* g, const void* dy, const void* x, float r, int64_t n);
   // the same dot, and partial += dy * (x*r)
   float (*dot_accumulate)(const float* g, const void* dy, const void* x, float r, float* partial, int64_t n);
-  // dx = r * (g*dy - (x*r) * m); the accumulate variant also partial += dy * (x*r)
-  void (*dx_row)(const float* g, const void* dy, const void* x, float r, float m, void* dx, float* partial,
-                 int64_t n);
-  void (*dx_row_accumulate)(const float* g, const void* dy, const void* x, float r, float m, void* dx,
-                            float* partial, int64_t n);
+  // dx = r * (g*dy - (x*r) * m)
+  void (*dx_row)(const float* g, const void* dy, const void* x, float r, float m, void* dx, int64_t n);
 };
 
 // Read at each call (tests switch the Highway target between calls).

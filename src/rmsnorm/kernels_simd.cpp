@@ -143,34 +143,29 @@ float GdyXhatDotT(const float* HWY_RESTRICT g, const void* dy, const void* x, fl
   return hn::GetLane(hn::SumOfLanes(d, total));
 }
 
-// dx = r * (g*dy - xhat*m), xhat = x*r; with kAccumulate also partial += dy*xhat.
-// The frozen and trainable variants share this code, so their dx is bitwise equal.
-template <DType kT, bool kAccumulate>
-void DxRowT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r, float m, void* dx,
-            float* HWY_RESTRICT partial, int64_t n) {
+// dx = r * (g*dy - xhat*m), xhat = x*r. The frozen and trainable backward
+// both run it (the trainable one's dgamma partial is taken in the dot pass),
+// so their dx is bitwise equal.
+template <DType kT>
+void DxRowT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r, float m, void* dx, int64_t n) {
   const hn::ScalableTag<float> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const auto vr = hn::Set(d, r);
   const auto vm = hn::Set(d, m);
-  // Returns dx for one vector; updates the partial dgamma at pp.
-  auto step = [&](auto vg, auto vdy, auto vx, float* pp) {
+  auto step = [&](auto vg, auto vdy, auto vx) {
     const auto xhat = hn::Mul(vx, vr);
-    if constexpr (kAccumulate) hn::StoreU(hn::MulAdd(vdy, xhat, hn::LoadU(d, pp)), d, pp);
     return hn::Mul(vr, hn::NegMulAdd(xhat, vm, hn::Mul(vg, vdy)));
   };
   int64_t i = 0;
   for (; i + N <= n; i += N)
-    StoreF32<kT>(d, step(hn::LoadU(d, g + i), LoadF32<kT>(d, dy, i), LoadF32<kT>(d, x, i), partial + i), dx, i);
+    StoreF32<kT>(d, step(hn::LoadU(d, g + i), LoadF32<kT>(d, dy, i), LoadF32<kT>(d, x, i)), dx, i);
   if (i < n) {
-    HWY_ALIGN float tg[kPad] = {}, tdy[kPad] = {}, tx[kPad] = {}, tdx[kPad], tp[kPad] = {};
-    const size_t bytes = static_cast<size_t>(n - i) * sizeof(float);
-    std::memcpy(tg, g + i, bytes);
+    HWY_ALIGN float tg[kPad] = {}, tdy[kPad] = {}, tx[kPad] = {}, tdx[kPad];
+    std::memcpy(tg, g + i, static_cast<size_t>(n - i) * sizeof(float));
     TailToF32<kT>(dy, i, n - i, tdy);
     TailToF32<kT>(x, i, n - i, tx);
-    if constexpr (kAccumulate) std::memcpy(tp, partial + i, bytes);
-    hn::Store(step(hn::Load(d, tg), hn::Load(d, tdy), hn::Load(d, tx), tp), d, tdx);
+    hn::Store(step(hn::Load(d, tg), hn::Load(d, tdy), hn::Load(d, tx)), d, tdx);
     TailFromF32<kT>(tdx, dx, i, n - i);
-    if constexpr (kAccumulate) std::memcpy(partial + i, tp, bytes);
   }
 }
 
@@ -192,17 +187,11 @@ float GdyXhatDotAccumulateF32(const float* g, const void* dy, const void* x, flo
 float GdyXhatDotAccumulateBF16(const float* g, const void* dy, const void* x, float r, float* p, int64_t n) {
   return GdyXhatDotT<DType::kBFloat16, true>(g, dy, x, r, p, n);
 }
-void DxRowF32(const float* g, const void* dy, const void* x, float r, float m, void* dx, float* p, int64_t n) {
-  DxRowT<DType::kFloat32, false>(g, dy, x, r, m, dx, p, n);
+void DxRowF32(const float* g, const void* dy, const void* x, float r, float m, void* dx, int64_t n) {
+  DxRowT<DType::kFloat32>(g, dy, x, r, m, dx, n);
 }
-void DxRowBF16(const float* g, const void* dy, const void* x, float r, float m, void* dx, float* p, int64_t n) {
-  DxRowT<DType::kBFloat16, false>(g, dy, x, r, m, dx, p, n);
-}
-void DxRowAccumulateF32(const float* g, const void* dy, const void* x, float r, float m, void* dx, float* p, int64_t n) {
-  DxRowT<DType::kFloat32, true>(g, dy, x, r, m, dx, p, n);
-}
-void DxRowAccumulateBF16(const float* g, const void* dy, const void* x, float r, float m, void* dx, float* p, int64_t n) {
-  DxRowT<DType::kBFloat16, true>(g, dy, x, r, m, dx, p, n);
+void DxRowBF16(const float* g, const void* dy, const void* x, float r, float m, void* dx, int64_t n) {
+  DxRowT<DType::kBFloat16>(g, dy, x, r, m, dx, n);
 }
 
 // out = x * r
@@ -248,8 +237,6 @@ HWY_EXPORT(GdyXhatDotAccumulateF32);
 HWY_EXPORT(GdyXhatDotAccumulateBF16);
 HWY_EXPORT(DxRowF32);
 HWY_EXPORT(DxRowBF16);
-HWY_EXPORT(DxRowAccumulateF32);
-HWY_EXPORT(DxRowAccumulateBF16);
 HWY_EXPORT(MulScalar);
 HWY_EXPORT(MulRow);
 HWY_EXPORT(AddRow);
@@ -264,7 +251,6 @@ RowKernels row_kernels(bool bf16) {
   k.dot_accumulate =
       bf16 ? HWY_DYNAMIC_DISPATCH(GdyXhatDotAccumulateBF16) : HWY_DYNAMIC_DISPATCH(GdyXhatDotAccumulateF32);
   k.dx_row = bf16 ? HWY_DYNAMIC_DISPATCH(DxRowBF16) : HWY_DYNAMIC_DISPATCH(DxRowF32);
-  k.dx_row_accumulate = bf16 ? HWY_DYNAMIC_DISPATCH(DxRowAccumulateBF16) : HWY_DYNAMIC_DISPATCH(DxRowAccumulateF32);
   return k;
 }
 
