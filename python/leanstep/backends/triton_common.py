@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._leanstep import Error
+
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 DTYPE_OF_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
@@ -41,6 +43,16 @@ try:  # the class the decorator returned: interpreter or compiler
     INTERPRETED = isinstance(_marker, _Interpreted)
 except ImportError:  # pragma: no cover - a Triton without the interpreter
     INTERPRETED = False
+
+
+def check_device(device, where, what):
+    """Interpreted kernels read CPU memory, compiled ones device memory: the
+    tensors of a call (`what`, e.g. "argument 'x' is on cuda:0") must match
+    how the kernels were built, else an Error naming them."""
+    if INTERPRETED != (device.type == "cpu"):
+        mode = "Triton's interpreter" if INTERPRETED else "a device"
+        raise Error(f"{where}: {what}, but leanstep's Triton kernels were built for {mode} "
+                    f"(TRITON_INTERPRET when they were imported)")
 
 
 def host_f32(value):

@@ -345,13 +345,9 @@ def _mts_kernel(table, num_chunks, scale_ptr, scale_val, found_ptr, SCALE_PTR: t
 # ---------------------------------------------------------------- host side
 
 
-def _check_device(device):
-    """Interpreted kernels read CPU memory; compiled ones device memory."""
-    if tc.INTERPRETED != (device.type == "cpu"):
-        where = "CPU tensors" if device.type == "cpu" else f"{device.type} tensors"
-        mode = "Triton's interpreter" if tc.INTERPRETED else "a device"
-        raise Error(f"GradPlan: argument 'backend' is 'triton' for {where}, but leanstep's Triton "
-                    f"kernels were built for {mode} (TRITON_INTERPRET when they were imported)")
+def _check_device(device, where):
+    tensors = "CPU tensors" if device.type == "cpu" else f"{device.type} tensors"
+    tc.check_device(device, where, f"argument 'backend' is 'triton' for {tensors}")
 
 
 def _rows(views, chunk):
@@ -374,7 +370,7 @@ class TritonGradPlan:
 
     def __init__(self, grads, device, where="GradPlan", *, chunk=None, block=None,
                  max_programs=None):
-        _check_device(device)
+        _check_device(device, where)
         self.device = device
         self.torch_plan = tp = TorchGradPlan(grads, device, where)
         self.core = tp.core
@@ -664,7 +660,7 @@ def multi_tensor_scale(src, dst, scale, found_inf, device, *, chunk=None, block=
     is not finite (OR-ed). One launch for every pair and dtype, unless
     :func:`mts_route` sends the call to the torch-op code (returned: its
     reason, else None)."""
-    _check_device(device)
+    _check_device(device, "multi_tensor_scale")
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
             raise Error(f"multi_tensor_scale: argument 'scale' must be a 1-element float32 tensor "

@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .._leanstep import Error
 from . import torch_moe as tm
 from . import triton_common as tc
 from .triton_common import bf16_bits_to_f32, f32_to_bf16_bits
@@ -147,13 +146,6 @@ def _unpermute_kernel(permuted, weights, order, starts, out, T, H, HAS_WEIGHTS: 
 # ---------------------------------------------------------------- host side
 
 
-def _check_device(t, where):
-    if tc.INTERPRETED != (t.device.type == "cpu"):
-        mode = "Triton's interpreter" if tc.INTERPRETED else "a device"
-        raise Error(f"{where}: argument 'tokens' is on {t.device}, but leanstep's Triton kernels "
-                    f"were built for {mode} (TRITON_INTERPRET when they were imported)")
-
-
 def _block(n, cap):
     return min(cap, triton.next_power_of_2(max(n, 1)))
 
@@ -171,7 +163,7 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=F
     tm._check_method(method, where)
     tm._check_map(routing_map, where)
     tm._check_ndim(tokens, where, "tokens", 2)
-    _check_device(tokens, where)
+    tc.check_device(tokens.device, where, f"argument 'tokens' is on {tokens.device}")
     num_tokens, num_experts = routing_map.shape
     if tokens.shape[0] != num_tokens:
         tm._fail(where, "tokens", f"must have T={num_tokens} rows like routing_map "
@@ -221,7 +213,7 @@ def unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_map=N
     C++ path's bits (fp32 sums in increasing slot order, one cast)."""
     where = "unpermute"
     tm._check_rows_in(permuted, where, "permuted")
-    _check_device(permuted, where)
+    tc.check_device(permuted.device, where, f"argument 'permuted' is on {permuted.device}")
     rows, hidden = permuted.shape
     num_tokens = tm._restore_shape(restore_shape, where, hidden)
     tm._check_indices(sorted_indices, where, rows, num_tokens)

@@ -206,13 +206,6 @@ def _check(t, where, name, shape=None, dtypes=_DTYPES):
         raise Error(f"{where}: argument '{name}' must be contiguous")
 
 
-def _check_device(t, where):
-    if tc.INTERPRETED != (t.device.type == "cpu"):
-        mode = "Triton's interpreter" if tc.INTERPRETED else "a device"
-        raise Error(f"{where}: argument 'x' is on {t.device}, but leanstep's Triton kernels were "
-                    f"built for {mode} (TRITON_INTERPRET when they were imported)")
-
-
 def _launch_shape(h, device):
     single = h <= MAX_SINGLE_BLOCK
     block = triton.next_power_of_2(h) if single else 4096
@@ -229,7 +222,7 @@ def chunk_rows(rows, h):
 def forward(x, weight, eps, zero_centered_gamma=False, rounding="scale_then_cast"):
     """Returns ``(y, rstd)``: y in x's dtype and shape, rstd fp32 ``x.shape[:-1]``."""
     where = "rms_norm"
-    _check_device(x, where)
+    tc.check_device(x.device, where, f"argument 'x' is on {x.device}")
     if x.dim() < 1 or x.shape[-1] < 1:
         raise Error(f"{where}: argument 'x' must have a last dim >= 1 (got {list(x.shape)})")
     h = x.shape[-1]
@@ -260,7 +253,7 @@ def backward(dy, x, rstd, weight, zero_centered_gamma=False, weight_requires_gra
     """Returns ``(dx, dweight)``: dx in x's dtype; dweight in the weight's
     dtype, or None for a frozen weight (then one launch and no cross-row work)."""
     where = "rms_norm_backward"
-    _check_device(x, where)
+    tc.check_device(x.device, where, f"argument 'x' is on {x.device}")
     h = x.shape[-1]
     _check(x, where, "x")
     _check(dy, where, "dy", tuple(x.shape))
