@@ -16,13 +16,14 @@ _NUMPY_DTYPES = {
     "float64": np.float64,
     "int64": np.int64,
     "int32": np.int32,
+    "int16": np.int16,
+    "int8": np.int8,
     "bool": np.bool_,
     "uint8": np.uint8,
 }
 
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
-             "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+_ITEMSIZE = {name: np.dtype(t).itemsize for name, t in _NUMPY_DTYPES.items()} | {"bfloat16": 2}
 
 
 def torch_module():

@@ -108,7 +108,7 @@ def _megatron_calls():
         return {}
     ops = {spec.name: spec.op for spec in package.PATCHES}
     out = {}
-    for name, calls in package.report()["calls"].items():
+    for name, calls in package._patching.call_counts().items():
         out.setdefault(ops.get(name, name), {})[name] = {"leanstep": dict(calls["paths"]),
                                                        "delegated": dict(calls["delegated"])}
     return out

@@ -90,6 +90,14 @@ def count(name, device_type=None, backend=None, reason=None):
             entry["delegated"][reason] += 1
 
 
+def call_counts():
+    """``{patch: {"leanstep": n, "paths": {"backend:device": n}, "delegated": {reason: n}}}``."""
+    with _lock:
+        return {n: {"leanstep": sum(c["leanstep"].values()), "paths": dict(c["leanstep"]),
+                    "delegated": dict(c["delegated"])}
+                for n, c in _calls.items()}
+
+
 def is_active(spec):
     """Whether the preset enables this patch's op (else the original runs)."""
     return _dispatch.op_enabled(spec.op)
@@ -348,9 +356,7 @@ def report(patches_table):
                       if _alias_notes.get(n) or _notes.get(n)},
             "host_reads": {s.name: s.host_read for s in patches_table
                            if s.host_read and s.name in _installed},
-            "calls": {n: {"leanstep": sum(c["leanstep"].values()),
-                          "paths": dict(c["leanstep"]), "delegated": dict(c["delegated"])}
-                      for n, c in _calls.items()},
+            "calls": call_counts(),
         }
 
 
