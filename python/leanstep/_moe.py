@@ -54,10 +54,14 @@ def _choose(op, tensors, names, backend, triton=False):
     return chosen
 
 
-def _triton_moe():
-    from .backends import triton_moe
+def _device_moe(chosen):
+    """The device backend's MoE module: the Triton kernels or the torch ops
+    (the same functions and arguments)."""
+    if chosen == "triton":
+        from .backends import triton_moe
 
-    return triton_moe
+        return triton_moe
+    return _torch_moe()
 
 
 def _cpu_method(method):
@@ -102,12 +106,9 @@ def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_p
     tokens, routing_map, probs = view(tokens), view(routing_map), opt_view(probs)
     chosen = _choose("moe_permute", [tokens, routing_map, probs],
                      ["tokens", "routing_map", "probs"], backend, triton=True)
-    if chosen == "triton":
-        return _triton_moe().permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad,
-                                     (method or "fused"))
-    if chosen == "torch":
-        return _torch_moe().permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad,
-                                    (method or "fused"))
+    if chosen != "cpu":
+        return _device_moe(chosen).permute(tokens, routing_map, probs, num_out_tokens,
+                                           drop_and_pad, (method or "fused"))
     if num_out_tokens is not None:
         num_out_tokens = int(num_out_tokens)
     rows = _leanstep.moe_permute_output_rows(routing_map, num_out_tokens, drop_and_pad)
@@ -130,14 +131,11 @@ def moe_unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_m
     chosen = _choose("moe_unpermute", [permuted, sorted_indices, probs, routing_map, out],
                      ["permuted", "sorted_indices", "probs", "routing_map", "out"], backend,
                      triton=True)
-    if chosen == "triton":
+    if chosen != "cpu":
         _check_method(method, "unpermute")
-        return _into(out, _triton_moe().unpermute(permuted, sorted_indices, restore_shape, probs,
-                                                  routing_map, drop_and_pad), "moe_unpermute")
-    if chosen == "torch":
-        _check_method(method, "unpermute")
-        return _into(out, _torch_moe().unpermute(permuted, sorted_indices, restore_shape, probs,
-                                                 routing_map, drop_and_pad), "moe_unpermute")
+        return _into(out, _device_moe(chosen).unpermute(permuted, sorted_indices, restore_shape,
+                                                        probs, routing_map, drop_and_pad),
+                     "moe_unpermute")
     out = result(tuple(restore_shape), dtype_name(permuted), permuted, out, "moe_unpermute", "out")
     _leanstep.moe_unpermute(permuted, sorted_indices, out, probs, routing_map, drop_and_pad,
                             _cpu_method(method))
@@ -149,12 +147,9 @@ def moe_permute_backward(dpermuted, sorted_indices, num_tokens, method=None, *, 
     dpermuted, sorted_indices = view(dpermuted), view(sorted_indices)
     chosen = _choose("moe_permute_backward", [dpermuted, sorted_indices],
                      ["dpermuted", "sorted_indices"], backend, triton=True)
-    if chosen == "triton":  # an unpermute without probs: the same fp32 sums in slot order
+    if chosen != "cpu":
         _check_method(method, "permute_backward")
-        return _triton_moe().permute_backward(dpermuted, sorted_indices, num_tokens)
-    if chosen == "torch":
-        _check_method(method, "permute_backward")
-        return _torch_moe().permute_backward(dpermuted, sorted_indices, num_tokens)
+        return _device_moe(chosen).permute_backward(dpermuted, sorted_indices, num_tokens)
     dtokens = empty((num_tokens, dpermuted.shape[-1]), dtype_name(dpermuted), dpermuted)
     _leanstep.moe_permute_backward(dpermuted, sorted_indices, dtokens, _cpu_method(method))
     return dtokens
