@@ -25,9 +25,6 @@ tests (scripts/gpu-check.sh runs them on a GPU).
 
 import torch
 
-FAMILIES = ("grad", "rmsnorm", "moe")
-
-
 def _bits(t):
     view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     return t.contiguous().view(view) if t.dtype.is_floating_point else t
@@ -41,15 +38,11 @@ def _same_bits(a, b, what):
     return None
 
 
-def _ulp(dtype):
-    return {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
-
-
 def _close(actual, expected, what, dtype, per_row=True):
     """|actual - expected| <= 64 u |row max| + 2 ulp(dtype) |expected| (u = 2^-24)."""
     a, e = actual.float(), expected.float()
     scale = e.abs().amax(-1, keepdim=True) if per_row and e.dim() > 1 else e.abs().amax()
-    bound = 64 * 2.0 ** -24 * scale + 2 * _ulp(dtype) * e.abs()
+    bound = 64 * 2.0 ** -24 * scale + 2 * torch.finfo(dtype).eps * e.abs()
     if a.shape != e.shape or not bool(((a - e).abs() <= bound).all()):
         return f"{what} is outside the stated bound of the torch-op backend's"
     return None
