@@ -5,12 +5,16 @@
 // such as a norm or a found_inf flag) and pass views.
 #pragma once
 
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include <dlpack/dlpack.h>
 
@@ -110,6 +114,46 @@ struct Tensor {
   // A contiguous view of the same memory with a new shape (numel must match).
   Tensor reshaped(std::initializer_list<int64_t> new_shape) const;
   std::string describe() const;  // "bfloat16[4096, 2048] cpu"
+};
+
+// Plain-data forms of a list of views and of an optional count, for the op
+// signatures that cross the backend ABI (leanstep/ops.h): their layout is fixed
+// here, not by the standard library a backend was built with. Both convert
+// implicitly from the standard types, so callers pass spans, vectors and
+// optionals as before.
+struct TensorList {
+  const Tensor* data = nullptr;
+  size_t size = 0;
+
+  constexpr TensorList() = default;
+  constexpr TensorList(const Tensor* data, size_t size) : data(data), size(size) {}
+  template <class Range>
+    requires std::convertible_to<Range&&, std::span<const Tensor>>
+  constexpr TensorList(Range&& range) {  // NOLINT: implicit on purpose
+    const std::span<const Tensor> s(std::forward<Range>(range));
+    data = s.data();
+    size = s.size();
+  }
+  constexpr std::span<const Tensor> span() const { return {data, size}; }
+  constexpr operator std::span<const Tensor>() const { return span(); }  // NOLINT
+  constexpr const Tensor* begin() const { return data; }
+  constexpr const Tensor* end() const { return data + size; }
+  constexpr const Tensor& operator[](size_t i) const { return data[i]; }
+  constexpr bool empty() const { return size == 0; }
+};
+
+struct OptionalInt64 {
+  int64_t value = 0;
+  bool has_value = false;
+
+  constexpr OptionalInt64() = default;
+  constexpr OptionalInt64(std::nullopt_t) {}  // NOLINT: implicit on purpose
+  constexpr OptionalInt64(int64_t v) : value(v), has_value(true) {}  // NOLINT
+  constexpr OptionalInt64(std::optional<int64_t> v)  // NOLINT
+      : value(v.value_or(0)), has_value(v.has_value()) {}
+  constexpr operator std::optional<int64_t>() const {  // NOLINT
+    return has_value ? std::optional<int64_t>(value) : std::nullopt;
+  }
 };
 
 // Validates a view: null data with numel > 0, negative sizes, too many dims.

@@ -30,8 +30,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
-#include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -45,7 +43,7 @@
 // Version of the binary contract between this library and a separately built
 // backend: the layout of leanstep_dispatch_impl and of the types in signatures
 // (leanstep::Tensor, ...). Bump it whenever either changes.
-#define LEANSTEP_DISPATCH_ABI_VERSION 2u
+#define LEANSTEP_DISPATCH_ABI_VERSION 3u
 
 extern "C" {
 // One implementation of one op, as a backend library hands it over. Plain C
@@ -121,18 +119,6 @@ template <class T>
 struct TypeName<T&> {
   static std::string name() { return TypeName<T>::name() + "&"; }
 };
-template <class T>
-struct TypeName<std::span<T>> {
-  static std::string name() { return "span<" + TypeName<T>::name() + ">"; }
-};
-template <class T>
-struct TypeName<std::optional<T>> {
-  static std::string name() { return "optional<" + TypeName<T>::name() + ">"; }
-};
-template <class T>
-struct TypeName<std::vector<T>> {
-  static std::string name() { return "vector<" + TypeName<T>::name() + ">"; }
-};
 
 }  // namespace leanstep::dispatch
 
@@ -150,6 +136,8 @@ LEANSTEP_DISPATCH_TYPE_NAME(double, "float64");
 LEANSTEP_DISPATCH_TYPE_NAME(std::string_view, "string_view");
 LEANSTEP_DISPATCH_TYPE_NAME(std::string, "string");
 LEANSTEP_DISPATCH_TYPE_NAME(leanstep::Tensor, "Tensor");
+LEANSTEP_DISPATCH_TYPE_NAME(leanstep::TensorList, "TensorList");
+LEANSTEP_DISPATCH_TYPE_NAME(leanstep::OptionalInt64, "OptionalInt64");
 LEANSTEP_DISPATCH_TYPE_NAME(leanstep::DType, "DType");
 LEANSTEP_DISPATCH_TYPE_NAME(leanstep::dispatch::Context, "dispatch::Context");
 
@@ -363,9 +351,13 @@ class Op<R(Args...)> : public OpBase {
   using Fn = typename Signature<Sig>::Fn;
   using Guard = typename Signature<Sig>::Guard;
 
-  Op(std::string name, std::string reference_name, Fn reference)
+  // `precondition` (optional) checks the arguments of every call before any
+  // implementation is chosen, so that all of them see consistent arguments
+  // (it throws leanstep::Error; it must not depend on the implementation).
+  Op(std::string name, std::string reference_name, Fn reference, Fn precondition = nullptr)
       : OpBase(std::move(name), Signature<Sig>::text(), std::move(reference_name),
-               reinterpret_cast<GenericFn>(reference)) {
+               reinterpret_cast<GenericFn>(reference)),
+        precondition_(precondition) {
     LEANSTEP_CHECK_ARG(reference != nullptr, "dispatch::Op", "reference", "must not be null");
   }
 
@@ -397,6 +389,7 @@ class Op<R(Args...)> : public OpBase {
     requires std::is_void_v<R>
   {
     const auto [fn, guard] = entry(impl_name);
+    if (precondition_) precondition_(args...);
     if (guard) {
       if (const char* reason = reinterpret_cast<Guard>(guard)(args...)) return reason;
     }
@@ -435,6 +428,7 @@ class Op<R(Args...)> : public OpBase {
   // The dispatched call. Arguments are passed on as lvalues (guards and
   // implementations take them by value or by reference).
   R operator()(Args... args) const {
+    if (precondition_) precondition_(args...);
     const DeviceType device = detail::call_device(args...);
     const std::shared_ptr<const detail::Snapshot> snap = snapshot();
     for (const detail::Candidate& c : snap->candidates) {
@@ -454,6 +448,9 @@ class Op<R(Args...)> : public OpBase {
     detail::count_reason(reference_stats(), snap->fallback_reason);
     return reinterpret_cast<Fn>(reference_fn())(args...);
   }
+
+ private:
+  const Fn precondition_;
 };
 
 // True when `F` can be installed into op type `O` (a compile-time check; used

@@ -1,37 +1,12 @@
 // leanstep ops: the dispatched entry points. The training step and the Python
 // package call these; each one calls through its op's slot in the process-wide
 // registry (leanstep/dispatch.h), so the active preset and any installed
-// implementation decide what runs, and every decision is counted.
-//
-//   op name                   reference                          fast path (guard)
-//   grad.norm                 grad::reference::norm (per tensor)  fused over the plan (plan has regions)
-//   grad.unscale_norm         per tensor                          fused (plan has regions)
-//   grad.clip                 per tensor                          fused (plan has regions)
-//   grad.norm_clip            per tensor                          fused (plan has regions)
-//   grad.scale                per tensor                          fused (plan has regions)
-//   grad.count_zeros          per tensor                          fused (plan has regions)
-//   grad.multi_tensor_scale   per tensor                          fused (none)
-//   rmsnorm.forward           rmsnorm::forward_reference          fused (no delegated feature)
-//   rmsnorm.backward          rmsnorm::backward_reference         frozen_fused (frozen weight, no
-//                                                                 delegated feature), then fused
-//                                                                 (trainable, no delegated feature)
-//   moe.permute               "sort" method                       "fused" method (none)
-//   moe.unpermute             "sort"                              "fused" (none)
-//   moe.permute_backward      "sort"                              "fused" (none)
-//   moe.unpermute_backward    "sort"                              "fused" (none)
-//
-// The arguments and semantics are those of the area functions named above
-// (see grad.h, rmsnorm.h, moe.h); the reference and the fast paths give the
-// same results within the tolerances those areas document: bit-identical for
-// moe; for rmsnorm and the grad norms within the bounds the conformance harness
-// declares (tests/cpp/test_dispatch_conformance.cpp), the SIMD sums being
-// ordered differently from the reference's one accumulator.
+// implementation decide what runs, and every decision is counted. `leanstep
+// paths` lists every op with its reference, fast paths and their guards.
 #pragma once
 
 #include <array>
 #include <cstddef>
-#include <optional>
-#include <span>
 
 #include "leanstep/core.h"
 #include "leanstep/dispatch.h"
@@ -47,70 +22,104 @@ LEANSTEP_DISPATCH_TYPE_NAME(leanstep::rmsnorm::CallContext, "rmsnorm::CallContex
 
 namespace leanstep::ops {
 
-// ---------------------------------------------------------------- signatures
-
-using GradNormSig = void(const grad::PlanView& plan, const Tensor& out_norm, double norm_type,
-                         const Tensor* found_inf, comm::Communicator* comm, const dispatch::Context& ctx);
-using GradUnscaleNormSig = void(const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm,
-                                const Tensor& found_inf, double norm_type, comm::Communicator* comm,
-                                const dispatch::Context& ctx);
-using GradClipSig = void(const grad::PlanView& plan, const Tensor& total_norm, double max_norm,
-                         const Tensor* out_coeff, const dispatch::Context& ctx);
-using GradNormClipSig = void(const grad::PlanView& plan, double max_norm, const Tensor& out_norm,
-                             double norm_type, const Tensor* found_inf, const Tensor* out_coeff,
-                             comm::Communicator* comm, const dispatch::Context& ctx);
-using GradScaleSig = void(const grad::PlanView& plan, const Tensor& scale, const dispatch::Context& ctx);
-using GradCountZerosSig = void(const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm,
-                               const dispatch::Context& ctx);
-using GradMultiTensorScaleSig = void(std::span<const Tensor> in, std::span<const Tensor> out,
-                                     const Tensor& scale, const Tensor& found_inf, const dispatch::Context& ctx);
-
-using RmsnormForwardSig = void(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,
-                               const rmsnorm::Options& options, const rmsnorm::CallContext& context,
-                               const dispatch::Context& ctx);
-using RmsnormBackwardSig = void(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
-                                const Tensor& dx, const Tensor* dgamma, const rmsnorm::Options& options,
-                                const rmsnorm::CallContext& context, const dispatch::Context& ctx);
-
-using MoePermuteSig = void(const Tensor& tokens, const Tensor& routing_map, const Tensor* probs,
-                           std::optional<int64_t> num_out_tokens, bool drop_and_pad, const Tensor& permuted,
-                           const Tensor* permuted_probs, const Tensor& sorted_indices, const dispatch::Context& ctx);
-using MoeUnpermuteSig = void(const Tensor& permuted, const Tensor& sorted_indices, const Tensor& out,
-                             const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
-                             const dispatch::Context& ctx);
-using MoePermuteBackwardSig = void(const Tensor& dpermuted, const Tensor& sorted_indices,
-                                   const Tensor& dtokens, const dispatch::Context& ctx);
-using MoeUnpermuteBackwardSig = void(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices,
-                                     const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
-                                     const Tensor& dpermuted, const Tensor* dprobs, const dispatch::Context& ctx);
-
 // ---------------------------------------------------------------- the op table
-// Every op, declared once: X(slot, "name", signature, "device backends").
-// The slots (`<slot>_op()`), the registration of the built-in ops, the count
-// checked by the conformance harness (tests/cpp/test_dispatch_conformance.cpp)
-// and `leanstep paths` all come from this table. "device backends" are the
-// Python package's implementations for tensors on a device (torch ops,
-// Triton kernels: python/leanstep/backends/), listed by `leanstep paths`.
-#define LEANSTEP_OPS(X)                                                                        \
-  X(grad_norm, "grad.norm", GradNormSig, "torch,triton")                                       \
-  X(grad_unscale_norm, "grad.unscale_norm", GradUnscaleNormSig, "torch,triton")                \
-  X(grad_clip, "grad.clip", GradClipSig, "torch,triton")                                       \
-  X(grad_norm_clip, "grad.norm_clip", GradNormClipSig, "torch,triton")                         \
-  X(grad_scale, "grad.scale", GradScaleSig, "torch,triton")                                    \
-  X(grad_count_zeros, "grad.count_zeros", GradCountZerosSig, "torch,triton")                   \
-  X(grad_multi_tensor_scale, "grad.multi_tensor_scale", GradMultiTensorScaleSig, "torch,triton") \
-  X(rmsnorm_forward, "rmsnorm.forward", RmsnormForwardSig, "torch,triton")                     \
-  X(rmsnorm_backward, "rmsnorm.backward", RmsnormBackwardSig, "torch,triton")                  \
-  X(moe_permute, "moe.permute", MoePermuteSig, "torch,triton")                                 \
-  X(moe_unpermute, "moe.unpermute", MoeUnpermuteSig, "torch,triton")                           \
-  X(moe_permute_backward, "moe.permute_backward", MoePermuteBackwardSig, "torch,triton")       \
-  X(moe_unpermute_backward, "moe.unpermute_backward", MoeUnpermuteBackwardSig, "torch")
+// Every op, declared once:
+//   X(slot, Signature, "name", (parameters, with defaults), (arguments), "device backends")
+// From this table come the signature types, the entry points (`ops::<slot>(...)`,
+// which call through the slot), the typed slots (`<slot>_op()`), the
+// registration of the built-in ops, the op count the conformance harness checks
+// (tests/cpp/test_dispatch_conformance.cpp) and `leanstep paths`. The built-in
+// implementations of op <slot> are registered by `builtin_<slot>` beside their
+// adapters in src/dispatch/ops_<area>.cpp. The backend context comes last
+// (default: host memory, no stream, no workspace; see dispatch::Context).
+// "device backends" are the Python package's implementations for tensors on a
+// device (torch ops, Triton kernels: python/leanstep/backends/).
+//
+// The arguments and semantics are those of the area functions the built-in
+// implementations call (grad.h, rmsnorm.h, moe.h). Reference and fast paths
+// agree within the tolerances those areas document: bit-identical for moe;
+// for rmsnorm and the grad norms within the bounds the conformance harness
+// declares, the SIMD sums being ordered differently from the reference's one
+// accumulator. Only plain data crosses these signatures (no std::vector,
+// std::string, std::span or std::optional): TensorList and OptionalInt64.
+#define LEANSTEP_OPS(X)                                                                                        \
+  X(grad_norm, GradNormSig, "grad.norm",                                                                       \
+    (const grad::PlanView& plan, const Tensor& out_norm, double norm_type = 2.0,                               \
+     const Tensor* found_inf = nullptr, comm::Communicator* comm = nullptr, const dispatch::Context& ctx = {}), \
+    (plan, out_norm, norm_type, found_inf, comm, ctx), "torch,triton")                                        \
+  X(grad_unscale_norm, GradUnscaleNormSig, "grad.unscale_norm",                                                \
+    (const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm, const Tensor& found_inf,     \
+     double norm_type = 2.0, comm::Communicator* comm = nullptr, const dispatch::Context& ctx = {}),           \
+    (plan, inv_scale, out_norm, found_inf, norm_type, comm, ctx), "torch,triton")                             \
+  X(grad_clip, GradClipSig, "grad.clip",                                                                       \
+    (const grad::PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff = nullptr, \
+     const dispatch::Context& ctx = {}),                                                                       \
+    (plan, total_norm, max_norm, out_coeff, ctx), "torch,triton")                                             \
+  X(grad_norm_clip, GradNormClipSig, "grad.norm_clip",                                                         \
+    (const grad::PlanView& plan, double max_norm, const Tensor& out_norm, double norm_type = 2.0,              \
+     const Tensor* found_inf = nullptr, const Tensor* out_coeff = nullptr, comm::Communicator* comm = nullptr, \
+     const dispatch::Context& ctx = {}),                                                                       \
+    (plan, max_norm, out_norm, norm_type, found_inf, out_coeff, comm, ctx), "torch,triton")                   \
+  X(grad_scale, GradScaleSig, "grad.scale",                                                                    \
+    (const grad::PlanView& plan, const Tensor& scale, const dispatch::Context& ctx = {}), (plan, scale, ctx),  \
+    "torch,triton")                                                                                            \
+  X(grad_count_zeros, GradCountZerosSig, "grad.count_zeros",                                                   \
+    (const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm = nullptr,                  \
+     const dispatch::Context& ctx = {}),                                                                       \
+    (plan, out_count, comm, ctx), "torch,triton")                                                             \
+  X(grad_multi_tensor_scale, GradMultiTensorScaleSig, "grad.multi_tensor_scale",                               \
+    (TensorList in, TensorList out, const Tensor& scale, const Tensor& found_inf,                              \
+     const dispatch::Context& ctx = {}),                                                                       \
+    (in, out, scale, found_inf, ctx), "torch,triton")                                                         \
+  /* dgamma is given exactly when context.weight_requires_grad (the slot checks it before any choice). */      \
+  X(rmsnorm_forward, RmsnormForwardSig, "rmsnorm.forward",                                                     \
+    (const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,                                \
+     const rmsnorm::Options& options = {}, const rmsnorm::CallContext& context = {},                          \
+     const dispatch::Context& ctx = {}),                                                                       \
+    (x, gamma, y, rstd, options, context, ctx), "torch,triton")                                               \
+  X(rmsnorm_backward, RmsnormBackwardSig, "rmsnorm.backward",                                                  \
+    (const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma, const Tensor& dx,             \
+     const Tensor* dgamma, const rmsnorm::Options& options = {}, const rmsnorm::CallContext& context = {},     \
+     const dispatch::Context& ctx = {}),                                                                       \
+    (dy, x, rstd, gamma, dx, dgamma, options, context, ctx), "torch,triton")                                  \
+  X(moe_permute, MoePermuteSig, "moe.permute",                                                                 \
+    (const Tensor& tokens, const Tensor& routing_map, const Tensor* probs, OptionalInt64 num_out_tokens,       \
+     bool drop_and_pad, const Tensor& permuted, const Tensor* permuted_probs, const Tensor& sorted_indices,    \
+     const dispatch::Context& ctx = {}),                                                                       \
+    (tokens, routing_map, probs, num_out_tokens, drop_and_pad, permuted, permuted_probs, sorted_indices, ctx), \
+    "torch,triton")                                                                                            \
+  X(moe_unpermute, MoeUnpermuteSig, "moe.unpermute",                                                           \
+    (const Tensor& permuted, const Tensor& sorted_indices, const Tensor& out, const Tensor* probs = nullptr,   \
+     const Tensor* routing_map = nullptr, bool drop_and_pad = false, const dispatch::Context& ctx = {}),       \
+    (permuted, sorted_indices, out, probs, routing_map, drop_and_pad, ctx), "torch,triton")                   \
+  X(moe_permute_backward, MoePermuteBackwardSig, "moe.permute_backward",                                       \
+    (const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens,                             \
+     const dispatch::Context& ctx = {}),                                                                       \
+    (dpermuted, sorted_indices, dtokens, ctx), "torch,triton")                                                \
+  X(moe_unpermute_backward, MoeUnpermuteBackwardSig, "moe.unpermute_backward",                                 \
+    (const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices, const Tensor* probs,            \
+     const Tensor* routing_map, bool drop_and_pad, const Tensor& dpermuted, const Tensor* dprobs,              \
+     const dispatch::Context& ctx = {}),                                                                       \
+    (dout, permuted, sorted_indices, probs, routing_map, drop_and_pad, dpermuted, dprobs, ctx), "torch")
+
+// The signature types: each op's parameter list is declared once, as a
+// function in namespace `signatures` that is never defined; its type is the
+// op's signature (default arguments are not part of a function type).
+namespace signatures {
+#define LEANSTEP_DECLARE_OP_SIGNATURE(slot, Sig, name, params, args, devices) void slot params;
+LEANSTEP_OPS(LEANSTEP_DECLARE_OP_SIGNATURE)
+#undef LEANSTEP_DECLARE_OP_SIGNATURE
+}  // namespace signatures
 
 // The typed slots, for installing implementations with compile-time checked
-// signatures (e.g. `ops::grad_norm_op().install("mine", &my_norm)`).
-#define LEANSTEP_DECLARE_OP_SLOT(slot, name, Sig, devices) dispatch::Op<Sig>& slot##_op();
-LEANSTEP_OPS(LEANSTEP_DECLARE_OP_SLOT)
-#undef LEANSTEP_DECLARE_OP_SLOT
+// signatures (e.g. `ops::grad_norm_op().install("mine", &my_norm)`), and the
+// entry points, which call through them.
+#define LEANSTEP_DECLARE_OP(slot, Sig, name, params, args, devices) \
+  using Sig = decltype(signatures::slot);                          \
+  dispatch::Op<Sig>& slot##_op();                                  \
+  inline void slot params { slot##_op() args; }
+LEANSTEP_OPS(LEANSTEP_DECLARE_OP)
+#undef LEANSTEP_DECLARE_OP
 
 #define LEANSTEP_COUNT_OP(...) +1
 inline constexpr size_t kNumOps = 0 LEANSTEP_OPS(LEANSTEP_COUNT_OP);
@@ -123,47 +132,5 @@ struct OpEntry {
 };
 // The table's rows, in table order.
 const std::array<OpEntry, kNumOps>& op_table();
-
-// ---------------------------------------------------------------- entry points
-// Each takes the backend context last (default: host memory, no stream, no
-// workspace; see dispatch::Context).
-
-void grad_norm(const grad::PlanView& plan, const Tensor& out_norm, double norm_type = 2.0,
-               const Tensor* found_inf = nullptr, comm::Communicator* comm = nullptr,
-               const dispatch::Context& ctx = {});
-void grad_unscale_norm(const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm,
-                       const Tensor& found_inf, double norm_type = 2.0, comm::Communicator* comm = nullptr,
-                       const dispatch::Context& ctx = {});
-void grad_clip(const grad::PlanView& plan, const Tensor& total_norm, double max_norm,
-               const Tensor* out_coeff = nullptr, const dispatch::Context& ctx = {});
-void grad_norm_clip(const grad::PlanView& plan, double max_norm, const Tensor& out_norm, double norm_type = 2.0,
-                    const Tensor* found_inf = nullptr, const Tensor* out_coeff = nullptr,
-                    comm::Communicator* comm = nullptr, const dispatch::Context& ctx = {});
-void grad_scale(const grad::PlanView& plan, const Tensor& scale, const dispatch::Context& ctx = {});
-void grad_count_zeros(const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm = nullptr,
-                      const dispatch::Context& ctx = {});
-void grad_multi_tensor_scale(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,
-                             const Tensor& found_inf, const dispatch::Context& ctx = {});
-
-// dgamma must be given exactly when context.weight_requires_grad (checked here,
-// before dispatch, so every implementation sees consistent arguments).
-void rmsnorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,
-                     const rmsnorm::Options& options = {}, const rmsnorm::CallContext& context = {},
-                     const dispatch::Context& ctx = {});
-void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
-                      const Tensor& dx, const Tensor* dgamma, const rmsnorm::Options& options = {},
-                      const rmsnorm::CallContext& context = {}, const dispatch::Context& ctx = {});
-
-void moe_permute(const Tensor& tokens, const Tensor& routing_map, const Tensor* probs,
-                 std::optional<int64_t> num_out_tokens, bool drop_and_pad, const Tensor& permuted,
-                 const Tensor* permuted_probs, const Tensor& sorted_indices, const dispatch::Context& ctx = {});
-void moe_unpermute(const Tensor& permuted, const Tensor& sorted_indices, const Tensor& out,
-                   const Tensor* probs = nullptr, const Tensor* routing_map = nullptr,
-                   bool drop_and_pad = false, const dispatch::Context& ctx = {});
-void moe_permute_backward(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens,
-                          const dispatch::Context& ctx = {});
-void moe_unpermute_backward(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices,
-                            const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
-                            const Tensor& dpermuted, const Tensor* dprobs, const dispatch::Context& ctx = {});
 
 }  // namespace leanstep::ops

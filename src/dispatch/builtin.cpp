@@ -26,9 +26,19 @@ void register_builtin_ops(Registry& reg) {
 
 namespace leanstep::ops {
 
+// The slots: created on first use with their built-in implementations, and
+// never destroyed (calls from static destructors elsewhere stay valid).
+#define LEANSTEP_DEFINE_OP_SLOT(slot, Sig, name, params, args, devices) \
+  dispatch::Op<Sig>& slot##_op() {                                      \
+    static dispatch::Op<Sig>* const op = builtin::slot(name);           \
+    return *op;                                                         \
+  }
+LEANSTEP_OPS(LEANSTEP_DEFINE_OP_SLOT)
+#undef LEANSTEP_DEFINE_OP_SLOT
+
 const std::array<OpEntry, kNumOps>& op_table() {
-#define LEANSTEP_OP_ENTRY(slot, name, Sig, devices) \
-  OpEntry{name, devices, [] () -> dispatch::OpBase& { return slot##_op(); }},
+#define LEANSTEP_OP_ENTRY(slot, Sig, name, params, args, devices) \
+  OpEntry{name, devices, []() -> dispatch::OpBase& { return slot##_op(); }},
   static const std::array<OpEntry, kNumOps> table = {{LEANSTEP_OPS(LEANSTEP_OP_ENTRY)}};
 #undef LEANSTEP_OP_ENTRY
   return table;

@@ -1,6 +1,6 @@
 // The gradient engine's ops: per-tensor reference, fused plan-based fast path.
+#include "dispatch/builtin.h"
 #include "leanstep/grad.h"
-#include "leanstep/ops.h"
 
 namespace leanstep::ops {
 namespace {
@@ -51,7 +51,7 @@ void count_zeros_reference(const grad::PlanView& plan, const Tensor& out_count, 
                            const dispatch::Context&) {
   grad::reference::count_zeros(plan.views(), out_count, comm);
 }
-void multi_tensor_scale_reference(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,
+void multi_tensor_scale_reference(TensorList in, TensorList out, const Tensor& scale,
                                   const Tensor& found_inf, const dispatch::Context&) {
   grad::reference::multi_tensor_scale(in, out, static_cast<float>(read_scalar(scale)), found_inf);
 }
@@ -83,13 +83,13 @@ void count_zeros_fused(const grad::PlanView& plan, const Tensor& out_count, comm
                        const dispatch::Context&) {
   grad::count_zeros(plan, out_count, comm);
 }
-void multi_tensor_scale_fused(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,
+void multi_tensor_scale_fused(TensorList in, TensorList out, const Tensor& scale,
                               const Tensor& found_inf, const dispatch::Context&) {
   grad::multi_tensor_scale(in, out, scale, found_inf);
 }
 
-// One slot per function: reference plus the built-in fused implementation,
-// guarded by NeedsRegions for plan ops.
+// Reference plus the built-in fused implementation, guarded by NeedsRegions
+// for plan ops.
 template <class Sig, bool kPlanOp = true>
 dispatch::Op<Sig>* make_op(const char* name, typename dispatch::Op<Sig>::Fn reference,
                            typename dispatch::Op<Sig>::Fn fused) {
@@ -101,67 +101,29 @@ dispatch::Op<Sig>* make_op(const char* name, typename dispatch::Op<Sig>::Fn refe
 
 }  // namespace
 
-// Slots are created on first use and never destroyed (calls from static
-// destructors elsewhere stay valid).
-dispatch::Op<GradNormSig>& grad_norm_op() {
-  static auto* op = make_op<GradNormSig>("grad.norm", &norm_reference, &norm_fused);
-  return *op;
+namespace builtin {
+
+dispatch::Op<GradNormSig>* grad_norm(const char* name) {
+  return make_op<GradNormSig>(name, &norm_reference, &norm_fused);
 }
-dispatch::Op<GradUnscaleNormSig>& grad_unscale_norm_op() {
-  static auto* op = make_op<GradUnscaleNormSig>("grad.unscale_norm", &unscale_norm_reference, &unscale_norm_fused);
-  return *op;
+dispatch::Op<GradUnscaleNormSig>* grad_unscale_norm(const char* name) {
+  return make_op<GradUnscaleNormSig>(name, &unscale_norm_reference, &unscale_norm_fused);
 }
-dispatch::Op<GradClipSig>& grad_clip_op() {
-  static auto* op = make_op<GradClipSig>("grad.clip", &clip_reference, &clip_fused);
-  return *op;
+dispatch::Op<GradClipSig>* grad_clip(const char* name) {
+  return make_op<GradClipSig>(name, &clip_reference, &clip_fused);
 }
-dispatch::Op<GradNormClipSig>& grad_norm_clip_op() {
-  static auto* op = make_op<GradNormClipSig>("grad.norm_clip", &norm_clip_reference, &norm_clip_fused);
-  return *op;
+dispatch::Op<GradNormClipSig>* grad_norm_clip(const char* name) {
+  return make_op<GradNormClipSig>(name, &norm_clip_reference, &norm_clip_fused);
 }
-dispatch::Op<GradScaleSig>& grad_scale_op() {
-  static auto* op = make_op<GradScaleSig>("grad.scale", &scale_reference, &scale_fused);
-  return *op;
+dispatch::Op<GradScaleSig>* grad_scale(const char* name) {
+  return make_op<GradScaleSig>(name, &scale_reference, &scale_fused);
 }
-dispatch::Op<GradCountZerosSig>& grad_count_zeros_op() {
-  static auto* op = make_op<GradCountZerosSig>("grad.count_zeros", &count_zeros_reference, &count_zeros_fused);
-  return *op;
+dispatch::Op<GradCountZerosSig>* grad_count_zeros(const char* name) {
+  return make_op<GradCountZerosSig>(name, &count_zeros_reference, &count_zeros_fused);
 }
-dispatch::Op<GradMultiTensorScaleSig>& grad_multi_tensor_scale_op() {
-  static auto* op = make_op<GradMultiTensorScaleSig, false>("grad.multi_tensor_scale", &multi_tensor_scale_reference,
-                                                            &multi_tensor_scale_fused);
-  return *op;
+dispatch::Op<GradMultiTensorScaleSig>* grad_multi_tensor_scale(const char* name) {
+  return make_op<GradMultiTensorScaleSig, false>(name, &multi_tensor_scale_reference, &multi_tensor_scale_fused);
 }
 
-void grad_norm(const grad::PlanView& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
-               comm::Communicator* comm, const dispatch::Context& ctx) {
-  grad_norm_op()(plan, out_norm, norm_type, found_inf, comm, ctx);
-}
-void grad_unscale_norm(const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm,
-                       const Tensor& found_inf, double norm_type, comm::Communicator* comm,
-                       const dispatch::Context& ctx) {
-  grad_unscale_norm_op()(plan, inv_scale, out_norm, found_inf, norm_type, comm, ctx);
-}
-void grad_clip(const grad::PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff,
-               const dispatch::Context& ctx) {
-  grad_clip_op()(plan, total_norm, max_norm, out_coeff, ctx);
-}
-void grad_norm_clip(const grad::PlanView& plan, double max_norm, const Tensor& out_norm, double norm_type,
-                    const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm,
-                    const dispatch::Context& ctx) {
-  grad_norm_clip_op()(plan, max_norm, out_norm, norm_type, found_inf, out_coeff, comm, ctx);
-}
-void grad_scale(const grad::PlanView& plan, const Tensor& scale, const dispatch::Context& ctx) {
-  grad_scale_op()(plan, scale, ctx);
-}
-void grad_count_zeros(const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm,
-                      const dispatch::Context& ctx) {
-  grad_count_zeros_op()(plan, out_count, comm, ctx);
-}
-void grad_multi_tensor_scale(std::span<const Tensor> in, std::span<const Tensor> out, const Tensor& scale,
-                             const Tensor& found_inf, const dispatch::Context& ctx) {
-  grad_multi_tensor_scale_op()(in, out, scale, found_inf, ctx);
-}
-
+}  // namespace builtin
 }  // namespace leanstep::ops
-

@@ -1,12 +1,12 @@
 // MoE permutation ops: the "sort" method is the reference, "fused" the fast path.
-#include "leanstep/ops.h"
+#include "dispatch/builtin.h"
 
 namespace leanstep::ops {
 namespace {
 
 template <moe::Method kMethod>
 void permute(const Tensor& tokens, const Tensor& routing_map, const Tensor* probs,
-             std::optional<int64_t> num_out_tokens, bool drop_and_pad, const Tensor& permuted,
+             OptionalInt64 num_out_tokens, bool drop_and_pad, const Tensor& permuted,
              const Tensor* permuted_probs, const Tensor& sorted_indices, const dispatch::Context&) {
   moe::permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad, kMethod, permuted, permuted_probs,
                sorted_indices);
@@ -41,48 +41,22 @@ dispatch::Op<Sig>* make_op(const char* name, typename dispatch::Op<Sig>::Fn sort
 
 }  // namespace
 
-dispatch::Op<MoePermuteSig>& moe_permute_op() {
-  static auto* op = make_op<MoePermuteSig>("moe.permute", &permute<moe::Method::kSort>,
-                                           &permute<moe::Method::kFused>);
-  return *op;
+namespace builtin {
+
+dispatch::Op<MoePermuteSig>* moe_permute(const char* name) {
+  return make_op<MoePermuteSig>(name, &permute<moe::Method::kSort>, &permute<moe::Method::kFused>);
 }
-dispatch::Op<MoeUnpermuteSig>& moe_unpermute_op() {
-  static auto* op = make_op<MoeUnpermuteSig>("moe.unpermute", &unpermute<moe::Method::kSort>,
-                                             &unpermute<moe::Method::kFused>);
-  return *op;
+dispatch::Op<MoeUnpermuteSig>* moe_unpermute(const char* name) {
+  return make_op<MoeUnpermuteSig>(name, &unpermute<moe::Method::kSort>, &unpermute<moe::Method::kFused>);
 }
-dispatch::Op<MoePermuteBackwardSig>& moe_permute_backward_op() {
-  static auto* op = make_op<MoePermuteBackwardSig>("moe.permute_backward", &permute_backward<moe::Method::kSort>,
-                                                   &permute_backward<moe::Method::kFused>);
-  return *op;
+dispatch::Op<MoePermuteBackwardSig>* moe_permute_backward(const char* name) {
+  return make_op<MoePermuteBackwardSig>(name, &permute_backward<moe::Method::kSort>,
+                                        &permute_backward<moe::Method::kFused>);
 }
-dispatch::Op<MoeUnpermuteBackwardSig>& moe_unpermute_backward_op() {
-  static auto* op = make_op<MoeUnpermuteBackwardSig>("moe.unpermute_backward",
-                                                     &unpermute_backward<moe::Method::kSort>,
-                                                     &unpermute_backward<moe::Method::kFused>);
-  return *op;
+dispatch::Op<MoeUnpermuteBackwardSig>* moe_unpermute_backward(const char* name) {
+  return make_op<MoeUnpermuteBackwardSig>(name, &unpermute_backward<moe::Method::kSort>,
+                                          &unpermute_backward<moe::Method::kFused>);
 }
 
-void moe_permute(const Tensor& tokens, const Tensor& routing_map, const Tensor* probs,
-                 std::optional<int64_t> num_out_tokens, bool drop_and_pad, const Tensor& permuted,
-                 const Tensor* permuted_probs, const Tensor& sorted_indices, const dispatch::Context& ctx) {
-  moe_permute_op()(tokens, routing_map, probs, num_out_tokens, drop_and_pad, permuted, permuted_probs,
-                   sorted_indices, ctx);
-}
-void moe_unpermute(const Tensor& permuted, const Tensor& sorted_indices, const Tensor& out, const Tensor* probs,
-                   const Tensor* routing_map, bool drop_and_pad, const dispatch::Context& ctx) {
-  moe_unpermute_op()(permuted, sorted_indices, out, probs, routing_map, drop_and_pad, ctx);
-}
-void moe_permute_backward(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens,
-                          const dispatch::Context& ctx) {
-  moe_permute_backward_op()(dpermuted, sorted_indices, dtokens, ctx);
-}
-void moe_unpermute_backward(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices,
-                            const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
-                            const Tensor& dpermuted, const Tensor* dprobs, const dispatch::Context& ctx) {
-  moe_unpermute_backward_op()(dout, permuted, sorted_indices, probs, routing_map, drop_and_pad, dpermuted, dprobs,
-                              ctx);
-}
-
+}  // namespace builtin
 }  // namespace leanstep::ops
-

@@ -2,7 +2,7 @@
 // backward, with the rmsnorm area's decision function as guard input.
 #include <fmt/format.h>
 
-#include "leanstep/ops.h"
+#include "dispatch/builtin.h"
 
 namespace leanstep::ops {
 namespace {
@@ -65,11 +65,24 @@ size_t backward_workspace(const Tensor&, const Tensor& x, const Tensor&, const T
                           const dispatch::Context&) {
   return rmsnorm::backward_fused_workspace_bytes(x, dgamma != nullptr);
 }
-// Only reached for frozen weights (dgamma is null, checked by the entry point).
+// Only reached for frozen weights (dgamma is null, checked by the precondition).
 void backward_frozen_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
                            const Tensor& dx, const Tensor*, const rmsnorm::Options& options,
                            const rmsnorm::CallContext&, const dispatch::Context&) {
   rmsnorm::backward_fused(dy, x, rstd, gamma, dx, nullptr, options);
+}
+
+// Every implementation may rely on dgamma being given exactly when the weight
+// requires grad.
+void backward_precondition(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                           const Tensor* dgamma, const rmsnorm::Options&, const rmsnorm::CallContext& context,
+                           const dispatch::Context&) {
+  constexpr const char* where = "ops::rmsnorm_backward";
+  if (context.weight_requires_grad)
+    LEANSTEP_CHECK_ARG(dgamma != nullptr, where, "dgamma", "must be given when the weight requires grad");
+  else
+    LEANSTEP_CHECK_ARG(dgamma == nullptr, where, "dgamma",
+                       "must be null when the weight is frozen (context.weight_requires_grad is false)");
 }
 
 constexpr const char* kFeatureGuardDoc =
@@ -77,45 +90,23 @@ constexpr const char* kFeatureGuardDoc =
 
 }  // namespace
 
-dispatch::Op<RmsnormForwardSig>& rmsnorm_forward_op() {
-  static auto* op = [] {
-    auto* o = new dispatch::Op<RmsnormForwardSig>("rmsnorm.forward", "reference", &forward_reference);
-    o->install("fused", &forward_fused, &forward_guard, kFeatureGuardDoc, "built-in");
-    return o;
-  }();
-  return *op;
+namespace builtin {
+
+dispatch::Op<RmsnormForwardSig>* rmsnorm_forward(const char* name) {
+  auto* op = new dispatch::Op<RmsnormForwardSig>(name, "reference", &forward_reference);
+  op->install("fused", &forward_fused, &forward_guard, kFeatureGuardDoc, "built-in");
+  return op;
 }
 
-dispatch::Op<RmsnormBackwardSig>& rmsnorm_backward_op() {
-  static auto* op = [] {
-    auto* o = new dispatch::Op<RmsnormBackwardSig>("rmsnorm.backward", "reference", &backward_reference);
-    // Tried newest first: the frozen path, then the trainable fused kernel.
-    o->install_on(DeviceType::kCPU, "fused", &backward_fused, &backward_guard, kFeatureGuardDoc, &backward_workspace,
-                  "built-in");
-    o->install("frozen_fused", &backward_frozen_fused, &frozen_guard,
-               "rmsnorm::decide: weight frozen and no delegated feature (skips dgamma entirely)", "built-in");
-    return o;
-  }();
-  return *op;
+dispatch::Op<RmsnormBackwardSig>* rmsnorm_backward(const char* name) {
+  auto* op = new dispatch::Op<RmsnormBackwardSig>(name, "reference", &backward_reference, &backward_precondition);
+  // Tried newest first: the frozen path, then the trainable fused kernel.
+  op->install_on(DeviceType::kCPU, "fused", &backward_fused, &backward_guard, kFeatureGuardDoc, &backward_workspace,
+                 "built-in");
+  op->install("frozen_fused", &backward_frozen_fused, &frozen_guard,
+              "rmsnorm::decide: weight frozen and no delegated feature (skips dgamma entirely)", "built-in");
+  return op;
 }
 
-void rmsnorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,
-                     const rmsnorm::Options& options, const rmsnorm::CallContext& context,
-                     const dispatch::Context& ctx) {
-  rmsnorm_forward_op()(x, gamma, y, rstd, options, context, ctx);
-}
-
-void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma, const Tensor& dx,
-                      const Tensor* dgamma, const rmsnorm::Options& options, const rmsnorm::CallContext& context,
-                      const dispatch::Context& ctx) {
-  constexpr const char* where = "ops::rmsnorm_backward";
-  if (context.weight_requires_grad)
-    LEANSTEP_CHECK_ARG(dgamma != nullptr, where, "dgamma", "must be given when the weight requires grad");
-  else
-    LEANSTEP_CHECK_ARG(dgamma == nullptr, where, "dgamma",
-                       "must be null when the weight is frozen (context.weight_requires_grad is false)");
-  rmsnorm_backward_op()(dy, x, rstd, gamma, dx, dgamma, options, context, ctx);
-}
-
+}  // namespace builtin
 }  // namespace leanstep::ops
-

@@ -144,7 +144,9 @@ TEST(HostMemory, ZeroedMemoryIsZeroAndHugePageInfoIsConsistent) {
     size_t nonzero = 0;
     for (size_t i = 0; i < bytes; ++i) nonzero += p[i] != 0;
     EXPECT_EQ(nonzero, 0u) << bytes;
-    if (bytes >= 2 * kMiB) EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % kHugePageBytes, 0u);
+    if (bytes >= 2 * kMiB) {
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % kHugePageBytes, 0u);
+    }
   }
   const bool previous = set_huge_pages(false);
   const size_t advised = huge_page_info().advised_bytes;

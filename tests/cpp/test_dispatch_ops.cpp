@@ -81,8 +81,10 @@ TEST_F(DispatchOps, EveryBuiltinOpIsRegisteredWithItsImplementations) {
             "void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const rmsnorm::Options&, "
             "const rmsnorm::CallContext&, const dispatch::Context&)");
   EXPECT_EQ(ops::moe_permute_op().signature(),
-            "void(const Tensor&, const Tensor&, const Tensor*, optional<int64>, bool, const Tensor&, "
+            "void(const Tensor&, const Tensor&, const Tensor*, OptionalInt64, bool, const Tensor&, "
             "const Tensor*, const Tensor&, const dispatch::Context&)");
+  EXPECT_EQ(ops::grad_multi_tensor_scale_op().signature(),
+            "void(TensorList, TensorList, const Tensor&, const Tensor&, const dispatch::Context&)");
   const std::string text = ld::paths_text();
   for (const auto& n : expected) EXPECT_NE(text.find(n), std::string::npos) << n;
 }
@@ -191,6 +193,11 @@ TEST_F(DispatchOps, RmsnormBackwardChecksDgammaAgainstTheContext) {
                         "argument 'dgamma' must be null when the weight is frozen");
   EXPECT_LEANSTEP_ERROR(ops::rmsnorm_backward(x, x, rstd, gamma, dx, nullptr, {}, {}),
                         "argument 'dgamma' must be given");
+  // The slot's precondition: it holds before any choice, for a forced one too.
+  for (const char* impl : {"reference", "fused", "frozen_fused"}) {
+    EXPECT_LEANSTEP_ERROR(ops::rmsnorm_backward_op().call_impl(impl, x, x, rstd, gamma, dx, &dg_view, {}, frozen, {}),
+                          "argument 'dgamma' must be null when the weight is frozen");
+  }
   // Bad views are refused by whichever implementation runs, under any preset.
   for (const char* preset : {"all", "baseline"}) {
     ld::registry().set_preset(preset);
