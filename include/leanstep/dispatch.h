@@ -180,7 +180,7 @@ struct ImplStatsView {
 
 struct ImplInfo {
   std::string name;
-  std::string origin;     // "built-in", "backend (ABI 2)", "user"
+  std::string origin;     // "built-in", "backend (ABI 3)", "user"
   std::string guard_doc;  // empty: accepts every call
   std::string device;     // the device type it runs: "cpu", "cuda"
   bool installed = false;

@@ -603,26 +603,36 @@ OpCases moe_cases(const std::string& op_name) {
 
 // ---------------------------------------------------------------- the case lists, one per op
 
-// In the table's order; a new op fails here until its cases exist.
-constexpr const char* kOpsWithCases[] = {
-    "grad.norm",       "grad.unscale_norm", "grad.clip",           "grad.norm_clip",
-    "grad.scale",      "grad.count_zeros",  "grad.multi_tensor_scale",
-    "rmsnorm.forward", "rmsnorm.backward",
-    "moe.permute",     "moe.unpermute",     "moe.permute_backward", "moe.unpermute_backward",
+// One entry per op of the table, in its order; a new op fails the
+// static_assert until its cases are listed here.
+struct CaseList {
+  const char* op;
+  OpCases (*make)();
 };
-static_assert(std::size(kOpsWithCases) == ops::kNumOps,
+constexpr CaseList kCaseLists[] = {
+    {"grad.norm", [] { return grad_cases("grad.norm"); }},
+    {"grad.unscale_norm", [] { return grad_cases("grad.unscale_norm"); }},
+    {"grad.clip", [] { return grad_cases("grad.clip"); }},
+    {"grad.norm_clip", [] { return grad_cases("grad.norm_clip"); }},
+    {"grad.scale", [] { return grad_cases("grad.scale"); }},
+    {"grad.count_zeros", [] { return grad_cases("grad.count_zeros"); }},
+    {"grad.multi_tensor_scale", &multi_tensor_scale_cases},
+    {"rmsnorm.forward", &rmsnorm_forward_cases},
+    {"rmsnorm.backward", &rmsnorm_backward_cases},
+    {"moe.permute", [] { return moe_cases("moe.permute"); }},
+    {"moe.unpermute", [] { return moe_cases("moe.unpermute"); }},
+    {"moe.permute_backward", [] { return moe_cases("moe.permute_backward"); }},
+    {"moe.unpermute_backward", [] { return moe_cases("moe.unpermute_backward"); }},
+};
+static_assert(std::size(kCaseLists) == ops::kNumOps,
               "every op of the table needs its case list in the conformance harness");
 
 std::vector<OpCases> all_cases() {
   std::vector<OpCases> all;
-  for (const char* op : {"grad.norm", "grad.unscale_norm", "grad.clip", "grad.norm_clip", "grad.scale",
-                         "grad.count_zeros"})
-    all.push_back(grad_cases(op));
-  all.push_back(multi_tensor_scale_cases());
-  all.push_back(rmsnorm_forward_cases());
-  all.push_back(rmsnorm_backward_cases());
-  for (const char* op : {"moe.permute", "moe.unpermute", "moe.permute_backward", "moe.unpermute_backward"})
-    all.push_back(moe_cases(op));
+  for (const CaseList& list : kCaseLists) {
+    all.push_back(list.make());
+    EXPECT_EQ(all.back().op, list.op);
+  }
   return all;
 }
 
@@ -636,7 +646,6 @@ TEST(Conformance, EveryOpOfTheTableHasCases) {
     EXPECT_FALSE(c.cases.empty()) << c.op;
   }
   EXPECT_EQ(table, covered);
-  EXPECT_EQ(std::set<std::string>(std::begin(kOpsWithCases), std::end(kOpsWithCases)), table);
 }
 
 TEST(Conformance, EveryImplementationAgreesWithTheReferenceOnEveryTarget) {
