@@ -29,7 +29,7 @@ namespace leanstep::ops {
 // which call through the slot), the typed slots (`<slot>_op()`), the
 // registration of the built-in ops, the op count the conformance harness checks
 // (tests/cpp/test_dispatch_conformance.cpp) and `leanstep paths`. The built-in
-// implementations of op <slot> are registered by `builtin_<slot>` beside their
+// implementations of op <slot> are installed by `builtin::<slot>` beside their
 // adapters in src/dispatch/ops_<area>.cpp. The backend context comes last
 // (default: host memory, no stream, no workspace; see dispatch::Context).
 // "device backends" are the Python package's implementations for tensors on a
