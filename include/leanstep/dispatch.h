@@ -97,7 +97,9 @@ struct Context {
 // part of the run-time contract (it is compared across separately built
 // libraries), so it is spelled explicitly rather than taken from the compiler.
 // A type without a name does not compile as an op parameter; name new types
-// with LEANSTEP_DISPATCH_TYPE_NAME at namespace scope.
+// with LEANSTEP_DISPATCH_TYPE_NAME at namespace scope. Only plain data is
+// named: the standard library's strings, containers and optionals have no
+// fixed layout across separately built libraries, so they have no name.
 template <class T>
 struct TypeName;  // intentionally undefined
 
@@ -133,8 +135,6 @@ LEANSTEP_DISPATCH_TYPE_NAME(unsigned long, "uint64");
 LEANSTEP_DISPATCH_TYPE_NAME(unsigned long long, "uint64");
 LEANSTEP_DISPATCH_TYPE_NAME(float, "float32");
 LEANSTEP_DISPATCH_TYPE_NAME(double, "float64");
-LEANSTEP_DISPATCH_TYPE_NAME(std::string_view, "string_view");
-LEANSTEP_DISPATCH_TYPE_NAME(std::string, "string");
 LEANSTEP_DISPATCH_TYPE_NAME(leanstep::Tensor, "Tensor");
 LEANSTEP_DISPATCH_TYPE_NAME(leanstep::TensorList, "TensorList");
 LEANSTEP_DISPATCH_TYPE_NAME(leanstep::OptionalInt64, "OptionalInt64");

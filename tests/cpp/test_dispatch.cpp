@@ -2,6 +2,12 @@
 // guards and their counters, presets, reports, bad input.
 #include <gtest/gtest.h>
 
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
 #include <nlohmann/json.hpp>
 
 #include "leanstep/dispatch.h"
@@ -49,6 +55,14 @@ static_assert(!ld::CanInstall<SquareOp, long (*)(int)>);                    // o
 static_assert(!ld::CanInstall<SquareOp, int (*)(int, int)>);                // other arity
 static_assert(!ld::CanInstall<ld::Op<void(Tensor)>, void (*)(const Tensor&)>);
 static_assert(!ld::CanInstall<SquareOp, decltype([y = 1](int x) { return x + y; })>);  // captures state
+
+// Op signatures carry plain data only: the standard library's strings,
+// containers and optionals have no signature name, so an op using one does not compile.
+template <class T>
+concept Nameable = requires { ld::TypeName<T>::name(); };
+static_assert(Nameable<leanstep::TensorList> && Nameable<leanstep::OptionalInt64> && Nameable<const Tensor&>);
+static_assert(!Nameable<std::span<const Tensor>> && !Nameable<std::optional<int64_t>> &&
+              !Nameable<std::vector<Tensor>> && !Nameable<std::string> && !Nameable<std::string_view>);
 
 TEST(DispatchSignature, CanonicalTextAndStableHash) {
   EXPECT_EQ(ld::Signature<int(int)>::text(), "int32(int32)");
