@@ -118,9 +118,10 @@ struct Tensor {
 
 // Plain-data forms of a list of views and of an optional count, for the op
 // signatures that cross the backend ABI (leanstep/ops.h): their layout is fixed
-// here, not by the standard library a backend was built with. Both convert
-// implicitly from the standard types, so callers pass spans, vectors and
-// optionals as before.
+// here, not by the standard library a backend was built with. A TensorList
+// converts implicitly from a span or vector of views, an OptionalInt64 from
+// std::optional<int64_t>, an integer or std::nullopt, so callers pass those as
+// before.
 struct TensorList {
   const Tensor* data = nullptr;
   size_t size = 0;

@@ -351,8 +351,8 @@ class Op<R(Args...)> : public OpBase {
   using Fn = typename Signature<Sig>::Fn;
   using Guard = typename Signature<Sig>::Guard;
 
-  // `precondition` (optional) checks the arguments of every call before any
-  // implementation is chosen, so that all of them see consistent arguments
+  // `precondition` (optional) checks the arguments of every call (and of every
+  // workspace query) before any implementation is chosen, so that all of them see consistent arguments
   // (it throws leanstep::Error; it must not depend on the implementation).
   Op(std::string name, std::string reference_name, Fn reference, Fn precondition = nullptr)
       : OpBase(std::move(name), Signature<Sig>::text(), std::move(reference_name),
@@ -415,6 +415,7 @@ class Op<R(Args...)> : public OpBase {
   // Bytes of workspace the implementation a call with these arguments would
   // run uses (0 for the reference and for implementations without a query).
   size_t workspace_bytes(Args... args) const {
+    if (precondition_) precondition_(args...);
     const DeviceType device = detail::call_device(args...);
     const std::shared_ptr<const detail::Snapshot> snap = snapshot();
     for (const detail::Candidate& c : snap->candidates) {

@@ -71,12 +71,12 @@ namespace leanstep::ops {
     (TensorList in, TensorList out, const Tensor& scale, const Tensor& found_inf,                              \
      const dispatch::Context& ctx = {}),                                                                       \
     (in, out, scale, found_inf, ctx), "torch,triton")                                                         \
-  /* dgamma is given exactly when context.weight_requires_grad (the slot checks it before any choice). */      \
   X(rmsnorm_forward, RmsnormForwardSig, "rmsnorm.forward",                                                     \
     (const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,                                \
      const rmsnorm::Options& options = {}, const rmsnorm::CallContext& context = {},                          \
      const dispatch::Context& ctx = {}),                                                                       \
     (x, gamma, y, rstd, options, context, ctx), "torch,triton")                                               \
+  /* dgamma is given exactly when context.weight_requires_grad (the slot checks it before any choice). */      \
   X(rmsnorm_backward, RmsnormBackwardSig, "rmsnorm.backward",                                                  \
     (const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma, const Tensor& dx,             \
      const Tensor* dgamma, const rmsnorm::Options& options = {}, const rmsnorm::CallContext& context = {},     \

@@ -77,7 +77,7 @@ void backward_frozen_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd
 void backward_precondition(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                            const Tensor* dgamma, const rmsnorm::Options&, const rmsnorm::CallContext& context,
                            const dispatch::Context&) {
-  constexpr const char* where = "ops::rmsnorm_backward";
+  constexpr const char* where = "rmsnorm.backward";
   if (context.weight_requires_grad)
     LEANSTEP_CHECK_ARG(dgamma != nullptr, where, "dgamma", "must be given when the weight requires grad");
   else

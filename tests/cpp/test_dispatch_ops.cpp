@@ -528,6 +528,10 @@ TEST_F(DispatchOps, RmsnormBackwardWorksInTheCallersWorkspace) {
   rmsnorm::CallContext frozen;
   frozen.weight_requires_grad = false;
   EXPECT_EQ(ops::rmsnorm_backward_op().workspace_bytes(dy, x, rstd, g, dx_ws, nullptr, {}, frozen, ld::Context{}), 0u);
+  // The query checks the arguments as a call would (trainable weight, no dgamma).
+  EXPECT_LEANSTEP_ERROR(
+      ops::rmsnorm_backward_op().workspace_bytes(dy, x, rstd, g, dx_ws, nullptr, {}, trainable, ld::Context{}),
+      "argument 'dgamma' must be given");
   std::vector<float> scratch(need / sizeof(float), 12345.0f);  // stale contents must not matter
   ld::Context with;
   with.workspace = {scratch.data(), need};

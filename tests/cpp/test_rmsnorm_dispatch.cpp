@@ -186,7 +186,7 @@ TEST(RmsNormBadInput, RejectedWithAnErrorNamingTheArgumentAndRule) {
                         "'rstd' must not overlap 'x'");
   const Tensor dg_in_dx(dx.data(), DType::kFloat32, {8});
   EXPECT_LEANSTEP_ERROR(rn::backward_fused(dy, x, r, gamma, dx, &dg_in_dx, {}), "'dgamma' must not overlap");
-  // (dgamma iff the weight requires grad is checked by ops::rmsnorm_backward: test_dispatch_ops.cpp.)
+  // (dgamma iff the weight requires grad is the rmsnorm.backward slot's precondition: test_dispatch_ops.cpp.)
   EXPECT_LEANSTEP_ERROR(rn::rounding_from_name("scale"), "must be scale_then_cast or cast_then_scale");
 }
 
