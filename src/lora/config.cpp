@@ -57,7 +57,10 @@ class KeyReader {
     const json& v = obj_.at(key);
     if (!v.is_array()) fail(key, fmt::format("must be a list of integers (got {})", v.dump()));
     for (const json& e : v) {
-      if (!e.is_number_integer()) fail(key, fmt::format("must be a list of integers (got {})", v.dump()));
+      // Above 2^63 - 1 nlohmann holds an unsigned value: never wrap it to a negative one.
+      if (!e.is_number_integer() ||
+          (e.is_number_unsigned() && e.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)))
+        fail(key, fmt::format("must be a list of integers (got {})", v.dump()));
       out.push_back(e.get<int64_t>());
     }
     return out;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <type_traits>
 
@@ -42,6 +43,12 @@ void read_key(const json& obj, const char* key, V& out, const std::string& prefi
       throw Error(fmt::format("{}: key '{}{}' is out of range (got {})", kWhere, prefix, key, it->dump()));
     if (!std::is_signed_v<V> && !it->is_number_unsigned())
       throw Error(fmt::format("{}: key '{}{}' must be >= 0 (got {})", kWhere, prefix, key, it->dump()));
+    // Nor a silent narrowing into a smaller integer type.
+    const bool fits = std::is_signed_v<V> ? (it->template get<int64_t>() >= std::numeric_limits<V>::min() &&
+                                             it->template get<int64_t>() <= std::numeric_limits<V>::max())
+                                          : it->template get<uint64_t>() <= std::numeric_limits<V>::max();
+    if (!fits)
+      throw Error(fmt::format("{}: key '{}{}' is out of range (got {})", kWhere, prefix, key, it->dump()));
   }
   try {
     out = it->get<V>();

@@ -119,6 +119,29 @@ SafetensorsFile read_safetensors(const std::string& path) {
   return parse_safetensors(bytes, path);
 }
 
+namespace {
+
+// A header list of integers in [0, 2^63), checked before any conversion: a
+// float or an out-of-range literal (nlohmann holds those as doubles) must not
+// be cast.
+template <class Bad>
+std::vector<uint64_t> header_integers(const nlohmann::json& entry, const std::string& name, const char* key,
+                                      const Bad& bad) {
+  const nlohmann::json& list = entry.at(key);
+  if (!list.is_array()) throw bad(fmt::format("tensor '{}' has a {} that is not a list", name, key));
+  std::vector<uint64_t> values;
+  for (const nlohmann::json& v : list) {
+    if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<int64_t>() < 0) ||
+        (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)))
+      throw bad(fmt::format("tensor '{}' has a {} entry that is not an integer in [0, 2^63) (got {})", name, key,
+                            v.dump()));
+    values.push_back(v.get<uint64_t>());
+  }
+  return values;
+}
+
+}  // namespace
+
 SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& path) {
   const uint64_t file_size = bytes.size();
   auto bad = [&](const std::string& why) { return Error(fmt::format("train: checkpoint '{}' is not valid safetensors: {}", path, why)); };
@@ -150,11 +173,10 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& p
       if (!entry.is_object()) throw bad(fmt::format("tensor '{}' entry is not an object", name));
       if (entry.at("dtype") != "F32") throw bad(fmt::format("tensor '{}' has dtype {} (only F32 is written here)", name, entry.at("dtype").dump()));
       StoredTensor t;
-      t.shape = entry.at("shape").get<std::vector<int64_t>>();
-      const auto offs = entry.at("data_offsets").get<std::vector<uint64_t>>();
+      for (uint64_t s : header_integers(entry, name, "shape", bad)) t.shape.push_back(static_cast<int64_t>(s));
+      const std::vector<uint64_t> offs = header_integers(entry, name, "data_offsets", bad);
       uint64_t n = 1;
       for (int64_t s : t.shape) {
-        if (s < 0) throw bad(fmt::format("tensor '{}' has a negative dimension", name));
         // Bounded by the file: a shape whose element count exceeds the data cannot match.
         if (s != 0 && n > data_size / 4 / static_cast<uint64_t>(s))
           throw bad(fmt::format("tensor '{}' has a shape larger than the file", name));

@@ -177,6 +177,25 @@ TEST(TrainCheckpoint, AFlippedByteFailsItsChecksum) {
   raw2[0] = static_cast<char>(huge.size());
   raw2 += huge + std::string(4, '\0');
   EXPECT_LEANSTEP_ERROR(detail::parse_safetensors(raw2, "t"), "has a shape larger than the file");
+  // Shape and offset entries are integers in [0, 2^63) before any conversion: a
+  // literal beyond 64 bits (held as a double), a float or a negative number is
+  // refused by name (a cast of the first was undefined behaviour).
+  const std::pair<const char*, const char*> bad_entries[] = {
+      {R"("shape":[2,244444444444444444444444],"data_offsets":[0,4])", "has a shape entry that is not an integer"},
+      {R"("shape":[1.5],"data_offsets":[0,4])", "has a shape entry that is not an integer"},
+      {R"("shape":[-1],"data_offsets":[0,4])", "has a shape entry that is not an integer in [0, 2^63) (got -1)"},
+      {R"("shape":[1],"data_offsets":[0,1e30])", "has a data_offsets entry that is not an integer"},
+      {R"("shape":[1],"data_offsets":[0,18446744073709551615])", "has a data_offsets entry that is not an integer"},
+      {R"("shape":7,"data_offsets":[0,4])", "has a shape that is not a list"}};
+  for (const auto& [bad_entry, message] : bad_entries) {
+    SCOPED_TRACE(bad_entry);
+    std::string text = std::string(R"({"x":{"dtype":"F32",)") + bad_entry + "}}";
+    while (text.size() % 8) text += ' ';
+    std::string raw3(8, '\0');
+    raw3[0] = static_cast<char>(text.size());
+    raw3 += text + std::string(4, '\0');
+    EXPECT_LEANSTEP_ERROR(detail::parse_safetensors(raw3, "t"), message);
+  }
   fs::remove_all(dir);
 }
 
