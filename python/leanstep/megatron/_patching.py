@@ -133,13 +133,43 @@ def active():
 # ---------------------------------------------------------------- install / uninstall
 
 
+class _Target:
+    """One place a patch set its replacement: `owner.attr` held `stored`
+    (restored on uninstall) and was set to `replacement`; `owner` is module
+    `module_name` or its class `class_attr`."""
+
+    def __init__(self, owner, attr, stored, replacement, module_name, class_attr=None):
+        self.owner = owner
+        self.attr = attr
+        self.stored = stored
+        self.replacement = replacement
+        self.module_name = module_name
+        self.class_attr = class_attr
+
+    @property
+    def label(self):
+        where = ".".join(filter(None, (self.module_name, self.class_attr, self.attr)))
+        current = sys.modules.get(self.module_name)
+        if self.class_attr:
+            current = getattr(current, self.class_attr, None)
+        # A reload binds the name to a new object; this one lives on (in
+        # references taken before, subclasses defined elsewhere).
+        return where if current is self.owner else where + " (superseded by a reload)"
+
+    def live(self):
+        """Whether it still holds the replacement: the report and uninstall go
+        by what is there, not by what was set."""
+        return _stored(self.owner, self.attr) is self.replacement
+
+
 class _Installed:
-    def __init__(self, spec, variant, original, replacement, targets):
+    def __init__(self, spec, variant, original, replacement, targets, home=None):
         self.spec = spec
         self.variant = variant
         self.original = original
         self.replacement = replacement
-        self.targets = targets  # [(owner, attr, stored original, label)]
+        self.targets = targets  # [_Target]: the home first, then the aliases
+        self.home = home  # the home target; None when the last re-apply failed
 
 
 _installed = {}
@@ -160,24 +190,37 @@ def _import(name):
         return None, f"{type(e).__name__}: {e}"
 
 
-def _find_aliases(original, attr, home_module):
+def _find_aliases(values, attr, exclude=()):
+    """[(module, name, value)] for each loaded module (but those in `exclude`)
+    whose `attr` is one of `values` (compared by identity)."""
+    wanted = {id(v) for v in values}
+    skip = {id(m) for m in exclude}
     found = []
     for mod_name, mod in list(sys.modules.items()):
-        if mod is None or mod is home_module:
+        if mod is None or id(mod) in skip:
             continue
         try:  # sys.modules may hold odd objects (lazy loaders, proxies)
             namespace = vars(mod)
-            holds = isinstance(namespace, dict) and namespace.get(attr) is original
+            value = namespace.get(attr) if isinstance(namespace, dict) else None
         except Exception:  # noqa: BLE001
             continue
-        if holds:
-            found.append((mod, mod_name))
+        if value is not None and id(value) in wanted:
+            found.append((mod, mod_name, value))
     found.sort(key=lambda item: item[1])
     return found
 
 
 def _stored(owner, attr):
     return owner.__dict__.get(attr) if isinstance(owner, type) else vars(owner).get(attr)
+
+
+def _home_owner(spec):
+    """The object the home target lives on now: the module in sys.modules, or
+    its class (a reload of the module makes a new class object)."""
+    home = sys.modules.get(spec.home)
+    if home is None or not spec.class_attr:
+        return home
+    return getattr(home, spec.class_attr, None)
 
 
 def _prepare(spec):
@@ -197,8 +240,7 @@ def _prepare(spec):
         variant, mismatch = match_variant(original, spec)
         if mismatch:
             return None, mismatch
-        return (variant, original, [(owner, spec.attr, stored,
-                                     f"{spec.home}.{spec.class_attr}.{spec.attr}")]), None
+        return (variant, original, [(owner, stored, spec.home)]), None
     original = getattr(home, spec.attr, None)
     if original is None:
         return None, f"{spec.home} has no {spec.attr}"
@@ -215,9 +257,9 @@ def _prepare(spec):
             # does not exist in this version is no news).
             alias_notes.append(f"{alias_module} not importable ({err})")
     _alias_notes[spec.name] = alias_notes
-    targets = [(home, spec.attr, original, f"{spec.home}.{spec.attr}")]
-    for mod, mod_name in _find_aliases(original, spec.attr, home):
-        targets.append((mod, spec.attr, original, f"{mod_name}.{spec.attr}"))
+    targets = [(home, original, spec.home)]
+    for mod, mod_name, _ in _find_aliases([original], spec.attr, exclude=[home]):
+        targets.append((mod, original, mod_name))
     return (variant, original, targets), None
 
 
@@ -229,38 +271,47 @@ def _set(owner, attr, value):
 
 
 def _still_ours(done):
-    """Whether the home target still holds our replacement (a reload of the
-    module puts the original back behind our back)."""
-    owner, attr, _, _ = done.targets[0]
-    if not done.spec.class_attr:
-        home = sys.modules.get(done.spec.home)
-        if home is None or home is not owner:
-            return False
-    return _stored(owner, attr) is done.replacement
+    """Whether the home target is still the live home and holds our
+    replacement (a reload of the module puts the original back behind our
+    back, or makes a new class)."""
+    return (done.home is not None and _home_owner(done.spec) is done.home.owner
+            and done.home.live())
 
 
-def _apply(spec, patches_table):
+def _carry_over(done):
+    """The targets of a stale record that still hold their replacement (the
+    aliases of a reloaded home, the class from before a reload that
+    subclasses elsewhere still derive from): they stay patched and are
+    restored by uninstall, not forgotten."""
+    return [target for target in done.targets if target.live()]
+
+
+def _apply(spec, carried=()):
     prepared, reason = _prepare(spec)
     if prepared is None:
         _skipped[spec.name] = reason
-        return
-    variant, original, targets = prepared
+        return None
+    variant, original, places = prepared
     replacement = variant.factory(original, spec)
     replacement.__leanstep_original__ = original
     stored_replacement = staticmethod(replacement) if spec.class_attr and isinstance(
-        targets[0][2], staticmethod) else replacement
+        places[0][1], staticmethod) else replacement
     applied = []
     try:
-        for owner, attr, stored, label in targets:
-            _set(owner, attr, stored_replacement)
-            applied.append((owner, attr, stored, label))
+        for owner, stored, module_name in places:
+            _set(owner, spec.attr, stored_replacement)
+            applied.append(_Target(owner, spec.attr, stored, stored_replacement, module_name,
+                                   spec.class_attr))
     except Exception as e:  # noqa: BLE001 - roll back: never half-patched
-        for owner, attr, stored, _ in applied:
-            _set(owner, attr, stored)
-        _skipped[spec.name] = f"could not set {attr} ({e}); rolled back"
-        return
+        for target in applied:
+            _set(target.owner, target.attr, target.stored)
+        _skipped[spec.name] = f"could not set {spec.attr} ({e}); rolled back"
+        return None
     _skipped.pop(spec.name, None)
-    _installed[spec.name] = _Installed(spec, variant, original, stored_replacement, applied)
+    done = _Installed(spec, variant, original, stored_replacement, applied + list(carried),
+                      home=applied[0])
+    _installed[spec.name] = done
+    return done
 
 
 def check_names(names, patches_table, where):
@@ -283,27 +334,53 @@ def install(patches_table, patches=None):
             if names is not None and spec.name not in names:
                 continue
             done = _installed.get(spec.name)
+            if done is not None and _still_ours(done):
+                _patch_new_aliases(done)
+                continue
+            carried = []
             if done is not None:
-                if _still_ours(done):
-                    _patch_new_aliases(done)
-                    continue
-                # The home module was reloaded (or the target replaced): the
-                # recorded state is stale; patch what is there now.
-                _installed.pop(spec.name)
+                # The home module was reloaded (or the target replaced): patch
+                # what is there now, keeping the places still patched.
+                carried = _carry_over(done)
                 _note(spec.name, "re-applied: the target no longer held the replacement "
                                  "(module reloaded or replaced)")
-            _apply(spec, patches_table)
+            new = _apply(spec, carried)
+            if new is None and carried:
+                # Refused this time: the places still patched stay on record
+                # so that the report lists them and uninstall restores them.
+                _installed[spec.name] = _Installed(spec, done.variant, done.original,
+                                                   done.replacement, carried)
+            elif new is None:
+                _installed.pop(spec.name, None)
+            else:
+                _patch_new_aliases(new)
 
 
 def _patch_new_aliases(done):
+    """Modules loaded since install that imported the original by name get
+    the replacement."""
     if done.spec.class_attr:
         return
-    home = sys.modules.get(done.spec.home)
-    known = {id(owner) for owner, *_ in done.targets}
-    for mod, mod_name in _find_aliases(done.original, done.spec.attr, home):
-        if id(mod) not in known:
-            _set(mod, done.spec.attr, done.replacement)
-            done.targets.append((mod, done.spec.attr, done.original, f"{mod_name}.{done.spec.attr}"))
+    attr = done.spec.attr
+    for mod, mod_name, _ in _find_aliases([done.original], attr,
+                                          exclude=[t.owner for t in done.targets]):
+        _set(mod, attr, done.replacement)
+        done.targets.append(_Target(mod, attr, done.original, done.replacement, mod_name))
+    _adopt_new_holders(done)
+
+
+def _adopt_new_holders(done):
+    """Modules that imported a replacement of ours by name after install are
+    aliases too: on record as they are, restored to that replacement's
+    original by uninstall."""
+    if done.spec.class_attr:
+        return
+    attr = done.spec.attr
+    ours = {id(t.replacement): t.replacement for t in done.targets}
+    ours[id(done.replacement)] = done.replacement
+    for mod, mod_name, value in _find_aliases(list(ours.values()), attr,
+                                              exclude=[t.owner for t in done.targets]):
+        done.targets.append(_Target(mod, attr, value.__leanstep_original__, value, mod_name))
 
 
 def uninstall(patches_table, patches=None):
@@ -313,27 +390,47 @@ def uninstall(patches_table, patches=None):
             if names is not None and name not in names:
                 continue
             done = _installed.pop(name)
-            for owner, attr, stored, label in done.targets:
-                current = _stored(owner, attr)
-                if current is done.replacement:
-                    _set(owner, attr, stored)
+            _adopt_new_holders(done)  # no module may keep a wrapper of ours
+            for target in done.targets:
+                if target.live():
+                    _set(target.owner, target.attr, target.stored)
                 else:
-                    # Someone patched over us after install: theirs stays.
-                    _note(name, f"left {label} as is: replaced by another patch after install")
+                    # Someone patched over us after install (theirs stays), or
+                    # a reload put an original back.
+                    _note(name, f"left {target.label} as is: it no longer held the "
+                                "replacement (replaced by another patch, or reloaded)")
         for name in list(_skipped):
             if names is None or name in names:
                 _skipped.pop(name)
 
 
+def _live_targets():
+    return {n: [t.label for t in d.targets if t.live()] for n, d in _installed.items()}
+
+
 def installed():
+    """The patches whose replacement some target holds now."""
     with _lock:
-        return sorted(_installed)
+        return sorted(n for n, labels in _live_targets().items() if labels)
 
 
 def installed_variant(name):
     with _lock:
         done = _installed.get(name)
-        return None if done is None else done.variant.label
+        if done is None or not any(t.live() for t in done.targets):
+            return None
+        return done.variant.label
+
+
+def _stale_notes():
+    notes = {}
+    for name, done in _installed.items():
+        if not _still_ours(done):
+            spec = done.spec
+            where = ".".join(filter(None, (spec.home, spec.class_attr, spec.attr)))
+            notes[name] = [f"{where} does not hold the replacement now (module reloaded or "
+                           "replaced): install() again patches it"]
+    return notes
 
 
 def report(patches_table):
@@ -344,18 +441,20 @@ def report(patches_table):
     except Exception:  # noqa: BLE001
         version = None
     with _lock:
+        live = {n: labels for n, labels in _live_targets().items() if labels}
+        stale = _stale_notes()
+        notes = {n: list(_alias_notes.get(n, [])) + list(_notes.get(n, [])) + stale.get(n, [])
+                 for n in set(_notes) | set(_alias_notes) | set(stale)}
         return {
             "megatron_core_version": version,
             "preset": _dispatch.preset(),
             "active_families": active(),
-            "installed": {n: [label for *_, label in d.targets] for n, d in _installed.items()},
-            "variants": {n: d.variant.label for n, d in _installed.items()},
+            "installed": live,
+            "variants": {n: _installed[n].variant.label for n in live},
             "skipped": dict(_skipped),
-            "notes": {n: list(_alias_notes.get(n, [])) + list(_notes.get(n, []))
-                      for n in set(_notes) | set(_alias_notes)
-                      if _alias_notes.get(n) or _notes.get(n)},
+            "notes": {n: v for n, v in notes.items() if v},
             "host_reads": {s.name: s.host_read for s in patches_table
-                           if s.host_read and s.name in _installed},
+                           if s.host_read and s.name in live},
             "calls": call_counts(),
         }
 
