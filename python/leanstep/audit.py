@@ -56,8 +56,10 @@ audit is for counting, not for timing.
 Command line: ``python -m leanstep.audit [--json] [--top N] [-o FILE] script.py
 [args...]`` runs the script as ``__main__`` (``sys.argv`` set to the script and
 its arguments) under one audit, then writes the table to stderr, or with
-``--json`` one line of JSON to stdout (after the script's own output), so the
-script's output stays as it was. The exit code is the script's.
+``--json`` one line of JSON to stdout after the script's own output and a
+newline (so the JSON is always the last line, even after output that does not
+end with one), so the script's output stays as it was. The exit code is the
+script's.
 """
 
 from __future__ import annotations
@@ -216,9 +218,12 @@ def _load_torch():
         def __init__(self, owner):
             super().__init__()
             self.owner = owner
+            self.active = True  # False once its audit ended: it never counts after its block
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if not self.active:
+                return func(*args, **kwargs)
             kind = reads.get(func)
             t = args[0] if args else None
             if kind is None:
@@ -246,9 +251,12 @@ def _load_torch():
             super().__init__()
             self.owner = owner
             self.names = {}
+            self.active = True
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if not self.active:
+                return func(*args, **kwargs)
             owner = self.owner
             name = self.names.get(func)
             if name is None:
@@ -285,6 +293,71 @@ def _load_torch():
 
     _modes = (_FunctionMode, _DispatchMode)
     return _modes
+
+
+def _remove_modes(fmode, dmode):
+    """Takes the audit's two modes off torch's mode stacks, wherever they are
+    on them, and leaves every other mode as it was. A mode the audited code
+    entered and never exited sits above the audit's; a plain ``__exit__``
+    would pop that mode instead and leave the audit's counting. Returns the
+    problems found (a mode no longer on its stack), else an empty list."""
+    problems = []
+    try:
+        if not _remove_dispatch_mode(dmode):
+            problems.append("its TorchDispatchMode")
+    finally:
+        if not _remove_function_mode(fmode):
+            problems.append("its TorchFunctionMode")
+    return problems
+
+
+def _remove_dispatch_mode(dmode) -> bool:
+    from torch.utils import _python_dispatch as pd
+
+    # Dispatch modes keep "in a mode" flags that each mode saves on enter and
+    # restores on exit: modes above the audit's are exited and re-entered with
+    # the base class's methods (stack and flags only, none of their own
+    # enter/exit logic), so the flags end as if they had been entered after
+    # the audit. A mode pushed without those flags moves without them.
+    stack = pd._get_current_dispatch_mode_stack()
+    at = next((i for i in range(len(stack) - 1, -1, -1) if stack[i] is dmode), None)
+    if at is None:
+        return False
+    moved = []
+    for m in reversed(stack[at + 1:]):
+        try:
+            pd.TorchDispatchMode.__exit__(m, None, None, None)
+            moved.append((m, True))
+        except (AttributeError, IndexError):
+            pd._pop_mode()
+            moved.append((m, False))
+    try:
+        dmode.__exit__(None, None, None)
+    finally:
+        for m, with_flags in reversed(moved):
+            if with_flags:
+                pd.TorchDispatchMode.__enter__(m)
+            else:
+                pd._push_mode(m)
+    return True
+
+
+def _remove_function_mode(fmode) -> bool:
+    from torch import overrides
+
+    # Torch-function modes have no flags: the stack alone (as torch's own
+    # DeviceContext moves modes for set_default_device).
+    stack = overrides._get_current_function_mode_stack()
+    at = next((i for i in range(len(stack) - 1, -1, -1) if stack[i] is fmode), None)
+    if at is None:
+        return False
+    above = [overrides._pop_mode() for _ in stack[at + 1:]]
+    try:
+        fmode.__exit__(None, None, None)
+    finally:
+        for m in reversed(above):
+            overrides._push_mode(m)
+    return True
 
 
 # --- call sites ---
@@ -430,10 +503,17 @@ class Audit:
     def __exit__(self, exc_type, exc, tb):
         fmode, dmode = self._active
         self._active = None
-        try:
-            dmode.__exit__(exc_type, exc, tb)
-        finally:
-            fmode.__exit__(exc_type, exc, tb)
+        fmode.active = dmode.active = False  # nothing counts after the block, whatever the stacks hold
+        problems = _remove_modes(fmode, dmode)
+        if problems:
+            from leanstep._leanstep import Error
+
+            raise Error(
+                f"leanstep.audit: {' and '.join(problems)} {'was' if len(problems) == 1 else 'were'} "
+                f"no longer on torch's mode stack "
+                f"when the audited block ended: code inside the block exited a mode entered "
+                f"before the audit (modes must be exited in the reverse order of entering); "
+                f"the counts stop where it was removed")
         return False
 
     # -- results --
@@ -555,13 +635,24 @@ def audit(*, stacklevel_filter=None) -> Audit:
 
 # --- command line ---
 
+def _flush_c_stdio() -> None:
+    """Flushes C stdio buffers (printf from extensions, NCCL's log), so that
+    what the script wrote comes before the report rather than at exit."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):  # no C runtime to ask (Windows): nothing to flush
+        pass
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m leanstep.audit",
         description="Run a Python script under leanstep.audit() and report its aten ops, "
                     "host syncs and host reads by call site. The table goes to stderr, "
-                    "--json to stdout (one line, after the script's output); the exit code "
-                    "is the script's.",
+                    "--json to stdout (one line, the last, after the script's output and a "
+                    "newline); the exit code is the script's.",
     )
     p.add_argument("--json", action="store_true", help="print the report as one line of JSON on stdout")
     p.add_argument("--top", type=int, default=None, metavar="N", help="at most N rows per table section")
@@ -606,12 +697,18 @@ def main(argv: Optional[list] = None) -> int:
         if old_path0 is not None:
             sys.path[0] = old_path0
     sys.stdout.flush()
+    _flush_c_stdio()
     report = json.dumps(a.to_dict()) if opts.json else a.format_table(opts.top)
     if opts.output:
         with open(opts.output, "w") as f:
             f.write(report if report.endswith("\n") else report + "\n")
     elif opts.json:
-        print(report, flush=True)
+        # A newline first: the script's output may not end with one (print(x,
+        # end="")), and writes that bypass sys.stdout (os.write, C code,
+        # subprocesses) cannot be seen, so the JSON always starts a line of
+        # its own: the last line of stdout is the JSON.
+        sys.stdout.write("\n" + report + "\n")
+        sys.stdout.flush()
     else:
         sys.stderr.write(report)
         sys.stderr.flush()

@@ -97,7 +97,6 @@ class TorchGradPlan:
             self.weights = torch.tensor([float(grp.multiplicity) for grp in self.groups
                                          for _ in grp.views], dtype=acc, device=device)
         self.has_float64_grads = any(v.dtype == torch.float64 for v in self.views)
-        self._max_norms = {}  # max_norm -> its fp32 device scalar (made once)
         self.numel = sum(v.numel() * grp.multiplicity for grp in self.groups for v in grp.views)
 
     # ---------------------------------------------------------------- helpers
@@ -205,15 +204,16 @@ class TorchGradPlan:
         else:
             norm = torch.full((1,), float(total_norm), dtype=torch.float32, device=self.device)
         # fp32 max_norm / (norm + 1e-6) as ONE division (a reciprocal then a
-        # multiply would round twice), clamped on the device.
-        numerator = self._max_norms.get(max_norm)
-        if numerator is None:
-            numerator = self._max_norms[max_norm] = torch.full(
-                (), max_norm, dtype=torch.float32, device=self.device)
+        # multiply would round twice), clamped on the device. The Python float
+        # is the numerator itself: torch passes it to the kernel by value
+        # (rounded to fp32, as an fp32 scalar tensor of it would be), so no
+        # device scalar is made or kept per max_norm (a schedule that changes
+        # max_norm every step keeps no state) and nothing is read back.
+        max_norm = float(max_norm)
         if coeff_out is None:
-            coeff = torch.div(numerator, norm.add(1.0e-6))
+            coeff = torch.div(max_norm, norm.add(1.0e-6))
         else:
-            coeff = torch.div(numerator, norm.add(1.0e-6), out=coeff_out)
+            coeff = torch.div(max_norm, norm.add(1.0e-6), out=coeff_out)
         coeff.clamp_(max=1.0)  # NaN stays NaN: the grads become NaN, never unclipped
         if self.views:
             self._scale_views(coeff.view(()))
