@@ -101,7 +101,14 @@ struct Tensor {
   int64_t size(int dim) const;  // negative dims count from the end
   size_t element_size() const { return dtype_size(dtype); }
   size_t nbytes() const { return static_cast<size_t>(numel()) * element_size(); }
-  bool is_contiguous() const;  // row-major dense (size-1 dims may have any stride)
+  // Row-major dense. The strides of size-1 dims, and of a tensor with no
+  // element at all, do not matter (torch and NumPy give empty arrays any).
+  bool is_contiguous() const;
+  // True when two different indices may reach one element (a stride-0 dim of
+  // size > 1, as expand() makes, or strides too small for the sizes below
+  // them). Conservative: an unusual layout that cannot be proved free of
+  // overlap counts as overlapping. In-place writes refuse such views.
+  bool may_self_overlap() const;
   bool empty() const { return numel() == 0; }
   // Byte range [begin, end) of memory the view can touch (begin == end when empty).
   uintptr_t byte_begin() const;
@@ -162,6 +169,9 @@ void check_tensor(const Tensor& t, std::string_view where, std::string_view arg)
 void check_dtype(const Tensor& t, std::initializer_list<DType> allowed, std::string_view where,
                  std::string_view arg);
 void check_cpu(const Tensor& t, std::string_view where, std::string_view arg);
+// Error unless !t.may_self_overlap(): an in-place write through a view that
+// reaches one element by two indices would write it twice.
+void check_no_self_overlap(const Tensor& t, std::string_view where, std::string_view arg);
 
 // ---------------------------------------------------------------- scalar conversions
 
@@ -198,7 +208,12 @@ double read_scalar(const Tensor& scalar);
 // ---------------------------------------------------------------- threads
 
 // Number of worker threads used by parallel loops (OpenMP). Results never depend on it.
+// In a child created by fork() the loops run on the calling thread alone
+// (GNU OpenMP's pool does not survive fork: a parallel loop there would hang),
+// and num_threads() is 1.
 int num_threads();
+// n in [1, kMaxThreads]; otherwise Error naming the bound.
 void set_num_threads(int n);
+inline constexpr int kMaxThreads = 1024;
 
 }  // namespace leanstep

@@ -43,7 +43,7 @@
 // Version of the binary contract between this library and a separately built
 // backend: the layout of leanstep_dispatch_impl and of the types in signatures
 // (leanstep::Tensor, ...). Bump it whenever either changes.
-#define LEANSTEP_DISPATCH_ABI_VERSION 3u
+#define LEANSTEP_DISPATCH_ABI_VERSION 4u
 
 extern "C" {
 // One implementation of one op, as a backend library hands it over. Plain C
@@ -180,7 +180,7 @@ struct ImplStatsView {
 
 struct ImplInfo {
   std::string name;
-  std::string origin;     // "built-in", "backend (ABI 3)", "user"
+  std::string origin;     // "built-in", "backend (ABI 4)", "user"
   std::string guard_doc;  // empty: accepts every call
   std::string device;     // the device type it runs: "cpu", "cuda"
   bool installed = false;

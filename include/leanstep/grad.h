@@ -75,6 +75,7 @@ struct PlanView {
   size_t listed = 0;   // listed bytes
   size_t touched = 0;  // touched bytes
   bool aliases = false;
+  int64_t self_overlapping = -1;  // index of the first view that may overlap itself, or -1
 
   std::span<const Tensor> views() const { return {view_data, view_count}; }
   std::span<const Region> regions() const { return {region_data, region_count}; }
@@ -87,6 +88,7 @@ struct PlanView {
   size_t listed_bytes() const { return listed; }
   size_t touched_bytes() const { return touched; }
   bool generic_aliases() const { return aliases; }
+  int64_t first_self_overlapping() const { return self_overlapping; }
 };
 
 class Plan {
@@ -114,6 +116,9 @@ class Plan {
   // True when a generic view shares memory with another listed view (the
   // in-place ops then order their passes so the per-tensor loop is matched).
   bool generic_aliases() const { return generic_aliases_; }
+  // Index of the first listed view that may overlap itself (expand(), stride
+  // 0), or -1. Reads are fine; the in-place ops refuse such a plan.
+  int64_t first_self_overlapping() const { return first_self_overlapping_; }
 
   static constexpr int64_t kChunkElements = int64_t{1} << 16;
 
@@ -131,7 +136,12 @@ class Plan {
   size_t listed_bytes_ = 0;
   size_t touched_bytes_ = 0;
   bool generic_aliases_ = false;
+  int64_t first_self_overlapping_ = -1;
 };
+
+// Error when the plan lists a view that may overlap itself (see
+// Plan::first_self_overlapping), naming it: every in-place op calls it first.
+void check_in_place(const PlanView& plan, std::string_view where);
 
 // Total norm: (sum over views of sum |x|^p)^(1/p), p = 2 (L2), kInfNorm
 // (max |x|, NaN propagates) or any p > 0. Sums of p-th powers are

@@ -24,6 +24,8 @@ _NUMPY_DTYPES = {
 
 
 _ITEMSIZE = {name: np.dtype(t).itemsize for name, t in _NUMPY_DTYPES.items()} | {"bfloat16": 2}
+#: The dtypes any leanstep call takes (each op narrows them further).
+SUPPORTED_DTYPES = tuple(_ITEMSIZE)
 
 
 def torch_module():
@@ -87,21 +89,28 @@ def _physical_memory():
 DEFAULT_POOL_CAP = min(_physical_memory() // 8, 16 << 30)
 
 
+#: The largest pool cap (bytes): the C++ pool counts bytes in a signed 64-bit integer.
+MAX_POOL_CAP = (1 << 63) - 1
+_POOL_ENV_RULE = ("LEANSTEP_OUTPUT_POOL must be 'on' (the default cap), 'off' (or 0), or a cap in "
+                  f"MiB from 2 to {MAX_POOL_CAP >> 20} (pooled blocks are 2 MiB or more)")
+
+
 def _parse_pool_env():
-    """LEANSTEP_OUTPUT_POOL: unset or "on" (on, the default cap), "off", or a cap in MiB."""
+    """LEANSTEP_OUTPUT_POOL: unset or "on" (on, the default cap), "off" or 0,
+    or a cap in MiB. "1" is refused: it reads as "on" and as a 1 MiB cap,
+    which could hold no block."""
     value = os.environ.get("LEANSTEP_OUTPUT_POOL", "").strip().lower()
-    if value in ("", "on", "1", "auto"):
+    if value in ("", "on", "auto"):
         return True, DEFAULT_POOL_CAP
     if value in ("0", "off", "no", "false"):
         return False, DEFAULT_POOL_CAP
     try:
-        cap = int(value) << 20
+        mib = int(value)
     except ValueError:
-        raise Error(f"LEANSTEP_OUTPUT_POOL must be 'off', 'on' or a cap in MiB (got {value!r})") \
-            from None
-    if cap < 0:
-        raise Error(f"LEANSTEP_OUTPUT_POOL must be a cap in MiB >= 0 (got {value!r})")
-    return True, cap
+        raise Error(f"{_POOL_ENV_RULE} (got {value!r})") from None
+    if not 2 <= mib <= MAX_POOL_CAP >> 20:
+        raise Error(f"{_POOL_ENV_RULE} (got {value!r})")
+    return True, mib << 20
 
 
 _leanstep.host_pool_configure(*_parse_pool_env())
@@ -129,8 +138,12 @@ def set_output_pool(enabled=None, cap_bytes=None):
     """Switches the output pool (see :func:`output_pool`) and sets its cap.
     Switching it off or lowering the cap releases free blocks (oldest first).
     Returns the previous ``(enabled, cap_bytes)``."""
-    if cap_bytes is not None and (not isinstance(cap_bytes, int) or cap_bytes < 0):
-        raise Error(f"set_output_pool: argument 'cap_bytes' must be an int >= 0 "
+    if enabled is not None and not isinstance(enabled, bool):
+        raise Error(f"set_output_pool: argument 'enabled' must be True, False or None "
+                    f"(got {enabled!r})")
+    if cap_bytes is not None and (isinstance(cap_bytes, bool) or not isinstance(cap_bytes, int)
+                                  or not 0 <= cap_bytes <= MAX_POOL_CAP):
+        raise Error(f"set_output_pool: argument 'cap_bytes' must be an int in [0, 2^63 - 1] "
                     f"(got {cap_bytes!r})")
     info = _leanstep.host_pool_info()
     previous = (info["enabled"], info["cap_bytes"])

@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 
+from ._arrays import SUPPORTED_DTYPES, dtype_name
 from ._leanstep import Error
 
 BACKENDS = ("cpu", "torch", "triton")
@@ -123,6 +124,17 @@ def triton_unusable(device):
     return _triton_drivers[kind]
 
 
+def check_dtypes(tensors, where, names=None):
+    """Every array of a call has a dtype leanstep has a name for, before any
+    output is allocated (fp8, complex, uint16, ...: an error naming the
+    argument); each op's own dtype rules come after."""
+    for i, t in enumerate(tensors):
+        if t is not None and dtype_name(t) not in SUPPORTED_DTYPES:
+            name = names[i] if names else f"tensors[{i}]"
+            raise Error(f"{where}: argument '{name}' must have one of the dtypes "
+                        f"{', '.join(SUPPORTED_DTYPES)} (got {dtype_name(t)})")
+
+
 def choose(tensors, backend, where, names=None, *, triton=False):
     """The backend for a call over `tensors`: "cpu" for plain CPU tensors,
     "triton" for cuda/xpu/npu tensors when the op has Triton kernels
@@ -138,6 +150,7 @@ def choose_with_reason(tensors, backend, where, names=None, *, triton=False):
     if backend is not None and backend not in BACKENDS:
         raise Error(f"{where}: argument 'backend' must be one of {', '.join(BACKENDS)} or None "
                     f"(got {backend!r})")
+    check_dtypes(tensors, where, names)
     torch = _torch()
     if torch is None:
         if backend in ("torch", "triton"):

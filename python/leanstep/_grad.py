@@ -120,6 +120,14 @@ class GradPlan:
             raise Error(f"GradPlan.{op}: a grad was re-pointed or resized since the plan was "
                         f"built (set_, resize_ or a resized storage); build a new GradPlan")
 
+    def _check_in_place(self, op):
+        """In-place ops refuse a self-overlapping grad (expand(), stride 0) on
+        every backend alike: the planner found it once, when the plan was built."""
+        self._check_current(op)
+        index = self._core.first_self_overlapping
+        if index >= 0:
+            raise _self_overlap_error(self._grads[index], f"GradPlan.{op}", f"grads[{index}]")
+
     def _record(self, op, norm_type=None):
         backend, reason = self.backend, self._reason
         if backend == "triton":  # the Triton plan says what runs the op
@@ -141,7 +149,10 @@ class GradPlan:
         in the same pass, and the norm is that of the unscaled grads. found_inf
         is 1 if any grad element (before unscaling) is non-finite. A
         ``found_inf=`` array is OR-ed into, not zeroed (accumulate over plans)."""
-        self._check_current("norm")
+        if inv_scale is None:
+            self._check_current("norm")
+        else:
+            self._check_in_place("norm")
         norm_type = float(norm_type)
         if not (norm_type > 0):
             raise Error(f"GradPlan.norm: argument 'norm_type' must be > 0 or inf (got {norm_type})")
@@ -171,7 +182,7 @@ class GradPlan:
         """Every grad ``x = cast(float(x) * inv_scale)`` in place, and
         found_inf (OR-ed into, 1-element fp32) set if any value before
         unscaling is non-finite: one pass. Returns found_inf."""
-        self._check_current("unscale_")
+        self._check_in_place("unscale_")
         found_inf = self._new_scalar("float32") if found_inf is None else view(found_inf)
         self._record("unscale")
         if self.backend in ("torch", "triton"):
@@ -189,7 +200,7 @@ class GradPlan:
         the coefficient computed from the array ``norm`` without a host read
         (a NaN norm gives NaN grads, as the frameworks do). Returns the
         coefficient (1-element fp32)."""
-        self._check_current("clip_")
+        self._check_in_place("clip_")
         self._record("clip")
         if self.backend in ("torch", "triton"):
             _check_max_norm(max_norm)
@@ -201,11 +212,11 @@ class GradPlan:
 
     def norm_clip_(self, max_norm, norm_type=2.0):
         """norm then clip in place, the usual step: returns ``(norm, found_inf, coeff)``."""
+        self._check_in_place("norm_clip_")
         if self.backend in ("torch", "triton"):
             _check_max_norm(max_norm)
             out, found_inf = self.norm(norm_type)
             return out, found_inf, self.clip_(max_norm, out)
-        self._check_current("norm_clip_")
         out = self._new_scalar("float32")
         found_inf = self._new_scalar("float32")
         coeff = self._new_scalar("float32")
@@ -215,7 +226,7 @@ class GradPlan:
 
     def scale_(self, scale):
         """Every grad ``*= scale`` in place (fp32 math, one rounding)."""
-        self._check_current("scale_")
+        self._check_in_place("scale_")
         self._record("scale")
         if self.backend in ("torch", "triton"):
             self._torch_plan.scale(_maybe_view(scale))
@@ -233,6 +244,25 @@ class GradPlan:
         return out
 
 
+def _self_overlap_error(t, where, arg):
+    """The error of the in-place rule (``Tensor::may_self_overlap`` in C++)."""
+    where_ = f" on {t.device}" if is_torch(t) else ""
+    strides = list(t.stride()) if is_torch(t) else [s // t.itemsize for s in t.strides]
+    return Error(f"{where}: argument '{arg}' must not overlap itself, since this op writes it in "
+                 f"place (got {dtype_name(t)}{list(t.shape)}{where_} with strides {strides}: one "
+                 f"element is reached by several indices, as after expand()); pass a view without "
+                 f"self-overlap, e.g. clone() it")
+
+
+def _check_writable(tensors, where, arg):
+    for i, t in enumerate(tensors):
+        if t.is_contiguous() if is_torch(t) else t.flags.c_contiguous:
+            continue  # a dense view never overlaps itself (the common case: no C++ call)
+        strides = tuple(t.stride()) if is_torch(t) else tuple(s // t.itemsize for s in t.strides)
+        if _leanstep.may_self_overlap(list(t.shape), list(strides)):
+            raise _self_overlap_error(t, where, f"{arg}[{i}]")
+
+
 def _maybe_view(x):
     return x if isinstance(x, numbers.Real) else view(x)
 
@@ -244,12 +274,14 @@ def _check_max_norm(max_norm):
 
 
 def _fingerprint(grads):
-    """Addresses and sizes of the grads: what a re-pointed or resized grad
-    changes (a storage resized to 0 moves its address to null)."""
+    """Addresses, shapes and strides of the grads: what a re-pointed, resized
+    or re-strided grad changes (a storage resized to 0 moves its address to
+    null; set_ and as_strided_ may keep the address and change the strides)."""
     torch = torch_module()
     if not grads or not isinstance(grads[0], torch.Tensor):
         return None
-    return (tuple(map(torch.Tensor.data_ptr, grads)), tuple(map(torch.Tensor.numel, grads)))
+    return (tuple(map(torch.Tensor.data_ptr, grads)), tuple(map(torch.Tensor.size, grads)),
+            tuple(map(torch.Tensor.stride, grads)))
 
 
 def multi_tensor_scale(src_list, dst_list, scale, *, found_inf=None, backend=None):
@@ -264,6 +296,7 @@ def multi_tensor_scale(src_list, dst_list, scale, *, found_inf=None, backend=Non
     if len(src) != len(dst):
         raise Error(f"multi_tensor_scale: arguments 'src_list' and 'dst_list' must have the same "
                     f"length (got {len(src)} and {len(dst)})")
+    _check_writable(dst, "multi_tensor_scale", "dst_list")
     like = src[0] if src else (dst[0] if dst else None)
     flag_arg = [view(found_inf)] if not src and found_inf is not None else []  # empty lists
     chosen, reason = _backend.choose_with_reason(src + dst + flag_arg, backend,

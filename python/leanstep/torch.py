@@ -179,6 +179,13 @@ def _compiling():
         return False
 
 
+def default_eps(dtype):
+    """torch.nn.RMSNorm's eps when given None: the machine epsilon of the type
+    it accumulates in (fp32 for bf16/fp16 inputs, the input's own type
+    otherwise), not of the input's type (which is 2^-7 for bf16, 65536x fp32's)."""
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+
+
 class RMSNorm(torch.nn.RMSNorm):
     """Drop-in for ``torch.nn.RMSNorm`` (same arguments, parameters and
     state_dict), computing ``y = cast(x * rstd * g)`` in fp32 like torch.
@@ -298,7 +305,7 @@ class RMSNorm(torch.nn.RMSNorm):
             # offload, subclass): the original torch path runs.
             self.last_decision = {"path": "torch", "reason": decision["explain"]}
             return super().forward(x)
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        eps = self.eps if self.eps is not None else default_eps(x.dtype)
         chosen, why = _backend.choose_with_reason([x, self.weight], self.backend, "RMSNorm",
                                                   ["x", "weight"], triton="rmsnorm")
         _backend.record("rmsnorm.forward", chosen, x.device.type, why)

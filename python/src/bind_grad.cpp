@@ -111,6 +111,9 @@ void bind_grad(nb::module_& m) {
       .def_prop_ro("listed_bytes", &grad::Plan::listed_bytes)
       .def_prop_ro("touched_bytes", &grad::Plan::touched_bytes)
       .def_prop_ro("generic_aliases", &grad::Plan::generic_aliases)
+      .def_prop_ro("first_self_overlapping", &grad::Plan::first_self_overlapping,
+                   "Index of the first listed view that may overlap itself (in-place ops "
+                   "refuse the plan), or -1.")
       .def("summary", &grad::Plan::summary)
       .def_prop_ro("regions",
                    [](const grad::Plan& p) {

@@ -112,6 +112,24 @@ NB_MODULE(_leanstep, m) {
 
   m.def("num_threads", &num_threads, "Worker threads of parallel loops (results never depend on it).");
   m.def("set_num_threads", &set_num_threads, nb::arg("n"));
+  m.def(
+      "may_self_overlap",
+      [](const std::vector<int64_t>& shape, const std::vector<int64_t>& strides) {
+        if (shape.size() != strides.size() || shape.size() > static_cast<size_t>(kMaxDims))
+          throw Error("may_self_overlap: arguments 'shape' and 'strides' must have one entry per dim, at most " +
+                      std::to_string(kMaxDims) + " dims (got " + std::to_string(shape.size()) + " and " +
+                      std::to_string(strides.size()) + ")");
+        Tensor t;
+        t.ndim = static_cast<int>(shape.size());
+        for (size_t d = 0; d < shape.size(); ++d) {
+          t.shape[d] = shape[d];
+          t.strides[d] = strides[d];
+        }
+        return t.may_self_overlap();
+      },
+      nb::arg("shape"), nb::arg("strides"),
+      "Whether a view of this layout may reach one element by two indices (the rule "
+      "every in-place op applies).");
 
   m.def(
       "counters",

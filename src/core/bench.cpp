@@ -1,4 +1,5 @@
 #include "leanstep/bench.h"
+#include "core/parallel.h"
 
 #include <omp.h>
 
@@ -68,7 +69,7 @@ Buffer alloc_floats(size_t n) {
 
 // Each thread touches a contiguous static slice, as the ops under test do.
 void first_touch(float* p, int64_t n, float value) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (detail::parallel_allowed())
   for (int64_t i = 0; i < n; ++i) p[i] = value;
 }
 }  // namespace
@@ -89,21 +90,21 @@ Bandwidth measure_bandwidth(Access access, size_t buffer_bytes) {
         const auto* p = reinterpret_cast<const uint64_t*>(pa);
         const int64_t words = n / 2;
         uint64_t total = 0;
-#pragma omp parallel for schedule(static) reduction(+ : total)
+#pragma omp parallel for schedule(static) reduction(+ : total) if (detail::parallel_allowed())
         for (int64_t i = 0; i < words; ++i) total += p[i];
         sink = total;
       };
       break;
     case Access::kInPlace:
       kernel = [&] {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (detail::parallel_allowed())
         for (int64_t i = 0; i < n; ++i) pa[i] *= 1.0000001f;
       };
       break;
     case Access::kCopy:
       kernel = [&] {
         const int threads = omp_get_max_threads();
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (detail::parallel_allowed())
         {
           const int t = omp_get_thread_num();
           const int nt = omp_get_num_threads();

@@ -1,12 +1,17 @@
 #include <dlpack/dlpack.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <omp.h>
+#include <pthread.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 
 #include "leanstep/core.h"
+#include "core/parallel.h"
 
 namespace leanstep {
 
@@ -189,12 +194,31 @@ int64_t Tensor::size(int dim) const {
 }
 
 bool Tensor::is_contiguous() const {
+  if (numel() == 0) return true;
   int64_t expected = 1;
   for (int d = ndim - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != expected) return false;
     expected *= shape[d];
   }
   return true;
+}
+
+bool Tensor::may_self_overlap() const {
+  if (numel() <= 1 || is_contiguous()) return false;
+  // Dims of size > 1 by increasing |stride|: no overlap is proved when each
+  // stride exceeds the furthest offset the smaller dims reach.
+  std::array<std::pair<int64_t, int64_t>, kMaxDims> dims{};  // (|stride|, size)
+  int n = 0;
+  for (int d = 0; d < ndim; ++d)
+    if (shape[d] > 1) dims[n++] = {strides[d] < 0 ? -strides[d] : strides[d], shape[d]};
+  for (int k = 1; k < n; ++k)  // insertion sort: at most kMaxDims entries
+    for (int j = k; j > 0 && dims[j] < dims[j - 1]; --j) std::swap(dims[j], dims[j - 1]);
+  int64_t reach = 0;  // the largest offset reachable with the dims so far
+  for (int k = 0; k < n; ++k) {
+    if (dims[k].first <= reach) return true;  // also catches stride 0
+    reach += dims[k].first * (dims[k].second - 1);
+  }
+  return false;
 }
 
 uintptr_t Tensor::byte_begin() const {
@@ -254,6 +278,15 @@ void check_cpu(const Tensor& t, std::string_view where, std::string_view arg) {
     throw_arg_error(where, arg,
                     fmt::format("lives on {} but this build has only the CPU backend",
                                 device_name(t.device.type)));
+}
+
+void check_no_self_overlap(const Tensor& t, std::string_view where, std::string_view arg) {
+  if (t.may_self_overlap())
+    throw_arg_error(where, arg,
+                    fmt::format("must not overlap itself, since this op writes it in place (got {} with strides [{}]: "
+                                "one element is reached by several indices, as after expand()); pass a view "
+                                "without self-overlap, e.g. clone() it",
+                                t.describe(), fmt::join(t.strides, t.strides + t.ndim, ", ")));
 }
 
 // ---------------------------------------------------------------- scalar conversions
@@ -380,9 +413,21 @@ double read_scalar(const Tensor& scalar) {
 
 // ---------------------------------------------------------------- threads
 
-int num_threads() { return omp_get_max_threads(); }
+namespace {
+// Set in the child of a fork(): GNU OpenMP's worker pool belongs to the parent
+// and a parallel region in the child waits for threads that do not exist.
+std::atomic<bool> g_forked_child{false};
+[[maybe_unused]] const bool g_fork_handler_installed = [] {
+  return pthread_atfork(nullptr, nullptr, [] { g_forked_child.store(true, std::memory_order_relaxed); }) == 0;
+}();
+}  // namespace
+
+bool detail::parallel_allowed() { return !g_forked_child.load(std::memory_order_relaxed); }
+
+int num_threads() { return detail::parallel_allowed() ? omp_get_max_threads() : 1; }
 void set_num_threads(int n) {
-  if (n < 1) throw_arg_error("set_num_threads", "n", fmt::format("must be >= 1 (got {})", n));
+  if (n < 1 || n > kMaxThreads)
+    throw_arg_error("set_num_threads", "n", fmt::format("must be in [1, {}] (got {})", kMaxThreads, n));
   omp_set_num_threads(n);
 }
 

@@ -13,6 +13,7 @@
 #endif
 
 #include "leanstep/core.h"
+#include "core/parallel.h"
 
 namespace leanstep {
 namespace {
@@ -233,7 +234,7 @@ void* host_alloc_zeroed(size_t bytes) {
   // allocation is not an op.
   auto* base = static_cast<unsigned char*>(p);
   const int64_t pages = static_cast<int64_t>((bytes + kHugePageBytes - 1) / kHugePageBytes);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (detail::parallel_allowed())
   for (int64_t page = 0; page < pages; ++page) {
     const size_t begin = static_cast<size_t>(page) * kHugePageBytes;
     std::memset(base + begin, 0, std::min(kHugePageBytes, bytes - begin));

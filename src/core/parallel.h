@@ -11,6 +11,10 @@
 
 namespace leanstep::detail {
 
+// False in a process forked from one that loaded leanstep: there every
+// parallel region runs on the calling thread (see leanstep::num_threads).
+bool parallel_allowed();
+
 inline int64_t num_chunks(int64_t n, int64_t chunk) { return n <= 0 ? 0 : (n + chunk - 1) / chunk; }
 
 // Calls body(chunk_index, begin, end) for each chunk of [0, n). Counts one
@@ -24,7 +28,7 @@ void parallel_chunks(int64_t n, int64_t chunk, Body&& body) {
     body(int64_t{0}, int64_t{0}, n);
     return;
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_allowed())
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t begin = c * chunk;
     const int64_t end = begin + chunk < n ? begin + chunk : n;
@@ -42,7 +46,7 @@ void parallel_items(int64_t count, Body&& body) {
     body(int64_t{0});
     return;
   }
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (parallel_allowed())
   for (int64_t i = 0; i < count; ++i) body(i);
 }
 

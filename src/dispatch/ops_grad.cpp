@@ -19,6 +19,23 @@ struct NeedsRegions<void(const grad::PlanView&, Rest...)> {
 };
 constexpr const char* kRegionsGuardDoc = "plans with at least one coalesced region (or empty plans)";
 
+// The in-place plan ops refuse a plan that lists a self-overlapping view
+// before any implementation is chosen, so every preset and forced
+// implementation refuses it alike (the area functions check it too).
+template <class Sig>
+struct InPlace;
+template <class... Rest>
+struct InPlace<void(const grad::PlanView&, Rest...)> {
+  template <const char* kWhere>
+  static void precondition(const grad::PlanView& plan, Rest...) {
+    grad::check_in_place(plan, kWhere);
+  }
+};
+constexpr char kUnscaleNorm[] = "grad.unscale_norm";
+constexpr char kClip[] = "grad.clip";
+constexpr char kNormClip[] = "grad.norm_clip";
+constexpr char kScale[] = "grad.scale";
+
 // ---- references: the per-tensor loop over the plan's listed views
 
 void norm_reference(const grad::PlanView& plan, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
@@ -92,8 +109,9 @@ void multi_tensor_scale_fused(TensorList in, TensorList out, const Tensor& scale
 // for plan ops.
 template <class Sig, bool kPlanOp = true>
 dispatch::Op<Sig>* make_op(const char* name, typename dispatch::Op<Sig>::Fn reference,
-                           typename dispatch::Op<Sig>::Fn fused) {
-  auto* op = new dispatch::Op<Sig>(name, "reference", reference);
+                           typename dispatch::Op<Sig>::Fn fused,
+                           typename dispatch::Op<Sig>::Fn precondition = nullptr) {
+  auto* op = new dispatch::Op<Sig>(name, "reference", reference, precondition);
   if constexpr (kPlanOp) op->install("fused", fused, &NeedsRegions<Sig>::guard, kRegionsGuardDoc, "built-in");
   else op->install("fused", fused, "", "built-in");
   return op;
@@ -107,16 +125,18 @@ dispatch::Op<GradNormSig>* grad_norm(const char* name) {
   return make_op<GradNormSig>(name, &norm_reference, &norm_fused);
 }
 dispatch::Op<GradUnscaleNormSig>* grad_unscale_norm(const char* name) {
-  return make_op<GradUnscaleNormSig>(name, &unscale_norm_reference, &unscale_norm_fused);
+  return make_op<GradUnscaleNormSig>(name, &unscale_norm_reference, &unscale_norm_fused,
+                                     &InPlace<GradUnscaleNormSig>::precondition<kUnscaleNorm>);
 }
 dispatch::Op<GradClipSig>* grad_clip(const char* name) {
-  return make_op<GradClipSig>(name, &clip_reference, &clip_fused);
+  return make_op<GradClipSig>(name, &clip_reference, &clip_fused, &InPlace<GradClipSig>::precondition<kClip>);
 }
 dispatch::Op<GradNormClipSig>* grad_norm_clip(const char* name) {
-  return make_op<GradNormClipSig>(name, &norm_clip_reference, &norm_clip_fused);
+  return make_op<GradNormClipSig>(name, &norm_clip_reference, &norm_clip_fused,
+                                 &InPlace<GradNormClipSig>::precondition<kNormClip>);
 }
 dispatch::Op<GradScaleSig>* grad_scale(const char* name) {
-  return make_op<GradScaleSig>(name, &scale_reference, &scale_fused);
+  return make_op<GradScaleSig>(name, &scale_reference, &scale_fused, &InPlace<GradScaleSig>::precondition<kScale>);
 }
 dispatch::Op<GradCountZerosSig>* grad_count_zeros(const char* name) {
   return make_op<GradCountZerosSig>(name, &count_zeros_reference, &count_zeros_fused);

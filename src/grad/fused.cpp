@@ -100,6 +100,7 @@ void norm(const PlanView& plan, const Tensor& out_norm, double norm_type, const 
 void unscale_norm(const PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm, const Tensor& found_inf,
                   double norm_type, comm::Communicator* comm) {
   static constexpr const char* kWhere = "grad::unscale_norm";
+  check_in_place(plan, kWhere);
   detail::check_norm_type(norm_type, kWhere);
   detail::check_scalar(inv_scale, DType::kFloat32, kWhere, "inv_scale");
   detail::check_scalar(out_norm, DType::kFloat32, kWhere, "out_norm");
@@ -117,6 +118,7 @@ void unscale_norm(const PlanView& plan, float inv_scale, const Tensor& out_norm,
 
 void clip(const PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff) {
   static constexpr const char* kWhere = "grad::clip";
+  check_in_place(plan, kWhere);
   detail::check_max_norm(max_norm, kWhere);
   detail::check_scalar(total_norm, DType::kFloat32, kWhere, "total_norm");
   if (out_coeff) detail::check_scalar(*out_coeff, DType::kFloat32, kWhere, "out_coeff");
@@ -130,12 +132,14 @@ void clip(const PlanView& plan, const Tensor& total_norm, double max_norm, const
 
 void norm_clip(const PlanView& plan, double max_norm, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
                const Tensor* out_coeff, comm::Communicator* comm) {
+  check_in_place(plan, "grad::norm_clip");
   detail::check_max_norm(max_norm, "grad::norm_clip");
   norm(plan, out_norm, norm_type, found_inf, comm);
   clip(plan, out_norm, max_norm, out_coeff);
 }
 
 void scale(const PlanView& plan, const Tensor& scale) {
+  check_in_place(plan, "grad::scale");
   detail::check_scalar(scale, DType::kFloat32, "grad::scale", "scale");
   fused_pass(plan, NormKind::kNone, 2.0, scale.data_as<const float>(), false);
 }

@@ -115,6 +115,7 @@ void multi_tensor_scale(std::span<const Tensor> in, std::span<const Tensor> out,
   for (size_t i = 0; i < in.size(); ++i) {
     detail::check_grad_view(in[i], kWhere, fmt::format("in[{}]", i));
     detail::check_grad_view(out[i], kWhere, fmt::format("out[{}]", i));
+    check_no_self_overlap(out[i], kWhere, fmt::format("out[{}]", i));
     LEANSTEP_CHECK_ARG(in[i].numel() == out[i].numel(), kWhere, fmt::format("out[{}]", i),
                        fmt::format("must have the numel of in[{}] ({}) (got {})", i, in[i].numel(), out[i].numel()));
   }

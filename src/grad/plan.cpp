@@ -58,6 +58,7 @@ Plan::Plan(std::span<const Tensor> grads, std::span<const Tensor> declared_buffe
     if (!declared_buffers.empty() && !inside_declared(t, declared_buffers))
       throw_arg_error(kWhere, arg, fmt::format("must lie inside one of the declared buffers (got {} at {:#x})",
                                                t.describe(), t.byte_begin()));
+    if (first_self_overlapping_ < 0 && t.may_self_overlap()) first_self_overlapping_ = static_cast<int64_t>(i);
     if (!t.is_contiguous()) {
       generic_.push_back({i, t, "non-contiguous strides"});
     } else if (reinterpret_cast<uintptr_t>(t.data) % t.element_size() != 0) {
@@ -143,6 +144,11 @@ Plan::Plan(std::span<const Tensor> grads, std::span<const Tensor> declared_buffe
   for (const GenericView& g : generic_) generic_refs_.push_back({g.index, g.view});
 }
 
+void check_in_place(const PlanView& plan, std::string_view where) {
+  const int64_t i = plan.first_self_overlapping();
+  if (i >= 0) check_no_self_overlap(plan.views()[static_cast<size_t>(i)], where, fmt::format("grads[{}]", i));
+}
+
 PlanView Plan::view() const {
   PlanView v;
   v.view_data = views_.data();
@@ -157,6 +163,7 @@ PlanView Plan::view() const {
   v.listed = listed_bytes_;
   v.touched = touched_bytes_;
   v.aliases = generic_aliases_;
+  v.self_overlapping = first_self_overlapping_;
   return v;
 }
 

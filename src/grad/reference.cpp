@@ -113,6 +113,11 @@ void check_grads(std::span<const Tensor> grads, const char* where) {
   for (size_t i = 0; i < grads.size(); ++i) detail::check_grad_view(grads[i], where, fmt::format("grads[{}]", i));
 }
 
+void check_grads_in_place(std::span<const Tensor> grads, const char* where) {
+  check_grads(grads, where);
+  for (size_t i = 0; i < grads.size(); ++i) check_no_self_overlap(grads[i], where, fmt::format("grads[{}]", i));
+}
+
 }  // namespace
 
 void norm(std::span<const Tensor> grads, const Tensor& out_norm, double norm_type, const Tensor* found_inf,
@@ -133,7 +138,7 @@ void unscale_norm(std::span<const Tensor> grads, const Tensor& inv_scale, const 
   detail::check_scalar(inv_scale, DType::kFloat32, kWhere, "inv_scale");
   detail::check_scalar(out_norm, DType::kFloat32, kWhere, "out_norm");
   detail::check_scalar(found_inf, DType::kFloat32, kWhere, "found_inf");
-  check_grads(grads, kWhere);
+  check_grads_in_place(grads, kWhere);
   const float s = *inv_scale.data_as<const float>();
   bool nonfinite = false;
   for (const Tensor& t : grads)
@@ -149,7 +154,7 @@ void clip(std::span<const Tensor> grads, const Tensor& total_norm, double max_no
   detail::check_max_norm(max_norm, kWhere);
   detail::check_scalar(total_norm, DType::kFloat32, kWhere, "total_norm");
   if (out_coeff) detail::check_scalar(*out_coeff, DType::kFloat32, kWhere, "out_coeff");
-  check_grads(grads, kWhere);
+  check_grads_in_place(grads, kWhere);
   const float coeff = detail::clip_coefficient(static_cast<float>(read_scalar(total_norm)), max_norm);
   if (out_coeff) *out_coeff->data_as<float>() = coeff;
   for (const Tensor& t : grads)
@@ -159,6 +164,7 @@ void clip(std::span<const Tensor> grads, const Tensor& total_norm, double max_no
 void norm_clip(std::span<const Tensor> grads, double max_norm, const Tensor& out_norm, double norm_type,
                const Tensor* found_inf, const Tensor* out_coeff, comm::Communicator* comm) {
   detail::check_max_norm(max_norm, "grad::reference::norm_clip");
+  check_grads_in_place(grads, "grad::reference::norm_clip");
   norm(grads, out_norm, norm_type, found_inf, comm);
   clip(grads, out_norm, max_norm, out_coeff);
 }
@@ -184,6 +190,7 @@ void multi_tensor_scale(std::span<const Tensor> in, std::span<const Tensor> out,
   for (size_t i = 0; i < in.size(); ++i) {
     detail::check_grad_view(in[i], kWhere, fmt::format("in[{}]", i));
     detail::check_grad_view(out[i], kWhere, fmt::format("out[{}]", i));
+    check_no_self_overlap(out[i], kWhere, fmt::format("out[{}]", i));
     LEANSTEP_CHECK_ARG(in[i].numel() == out[i].numel(), kWhere, fmt::format("out[{}]", i), "must match in's numel");
   }
   for (size_t i = 0; i < in.size(); ++i) {

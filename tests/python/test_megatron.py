@@ -697,3 +697,108 @@ def test_moe_functions_on_device_tensors_take_the_device_backend(patched, torch_
     forced = leanstep.moe_permute(tokens, routing_map, probs, num_out, backend="torch")
     for a_, b_ in zip(cpu_out[:3], forced):
         assert torch.equal(a_, b_)
+
+
+# ---------------------------------------------------------------- random views of one buffer
+
+
+def _random_views(rng, buf, count):
+    """Views of one flat buffer as a hostile caller makes them: random
+    offsets, 1-D steps of 1 to 3, 2-D blocks with gaps between rows, their
+    transposes, contiguous blocks; views may overlap each other (never
+    themselves). The same buffer is reused, so addresses repeat across calls."""
+    n = buf.numel()
+    views = []
+    for _ in range(count):
+        kind = int(rng.integers(4))
+        if kind == 0:  # 1-D with a step
+            step, length = int(rng.integers(1, 4)), int(rng.integers(0, 24))
+            start = int(rng.integers(0, n - step * max(length - 1, 0)))
+            views.append(buf[start:start + step * (length - 1) + 1:step] if length else buf[start:start])
+        elif kind in (1, 2):  # rows with gaps, or their transpose
+            rows, cols, gap = int(rng.integers(1, 6)), int(rng.integers(1, 8)), int(rng.integers(0, 4))
+            row_stride = cols + gap
+            start = int(rng.integers(0, n - (rows - 1) * row_stride - cols + 1))
+            v = buf.as_strided((rows, cols), (row_stride, 1), buf.storage_offset() + start)
+            views.append(v.t() if kind == 2 else v)
+        else:  # a contiguous block
+            length = int(rng.integers(1, 40))
+            start = int(rng.integers(0, n - length + 1))
+            views.append(buf[start:start + length])
+    return views
+
+
+def _twins(buf, views):
+    """For each view, one at the same address with the same numel but another
+    layout (1-D with another step, or 1-D for a 2-D view), where it fits: what
+    a cache keyed on address and numel alone confuses."""
+    twins = []
+    for v in views:
+        n, offset = v.numel(), v.storage_offset()
+        for step in (2, 1, 3):
+            if (v.dim() != 1 or v.stride() != (step,)) and offset + step * max(n - 1, 0) < buf.numel():
+                twins.append(buf.as_strided((n,), (step,), offset))
+                break
+        else:
+            twins.append(v)
+    return twins
+
+
+def _oracle_norm(views, p):
+    values = [to_f64(v).ravel() for v in views]
+    flat = np.concatenate(values) if values else np.zeros(0)
+    if p == math.inf:
+        return float(np.abs(flat).max()) if flat.size else 0.0
+    return float((np.abs(flat) ** p).sum() ** (1.0 / p))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_patches_on_random_views_of_one_buffer_match_megatron(dtype, patched, megatron_on_cpu,
+                                                                rng):
+    """Fuzz: random views of ONE buffer (offsets, strides, overlaps) through the
+    patched norm / clip / zero count, against Megatron's originals on the same
+    inputs and a float64 oracle (the originals round bf16 norms to bf16, so the
+    oracle judges ours there). The plan cache once keyed on address, numel and
+    dtype only and so normed and clipped buf[0:8] for buf[0:16:2]."""
+    world = torch.distributed.group.WORLD
+    buf = torch.empty(256, dtype=dtype)
+    for trial in range(40):
+        # fresh values in the same memory each trial, a fifth of them zeros to count
+        buf.copy_(torch.from_numpy(rng.standard_normal(256) * (rng.random(256) >= 0.2)))
+        first = _random_views(rng, buf, int(rng.integers(1, 8)))
+        for views in (first, _twins(buf, first)):  # the twins right after: the cache's test
+            _check_patches_on_views(views, buf, dtype, world, rng, trial)
+
+
+def _check_patches_on_views(views, buf, dtype, world, rng, trial):
+    what = f"trial {trial}: {[(tuple(v.shape), v.stride(), v.storage_offset()) for v in views]}"
+    for p in (2.0, math.inf):
+        ours = optimizer.get_grad_norm_fp32(views, norm_type=p)
+        expected = _oracle_norm(views, p)
+        if p == math.inf:
+            assert ours == expected, what
+            if all(v.numel() for v in views):  # Megatron's max() raises on an empty grad
+                assert ORIGINALS["get_grad_norm_fp32"](views, norm_type=p) == expected, what
+            continue
+        theirs = ORIGINALS["get_grad_norm_fp32"](views, norm_type=p)
+        # fp64 accumulation, one rounding to fp32 (2 ulp with margin)
+        assert abs(ours - expected) <= 2 * 2**-23 * expected, what
+        rel = 1e-5 if dtype == torch.float32 else 2**-6  # the original rounds per tensor
+        assert abs(theirs - expected) <= rel * expected + 1e-30, what
+    params = [Param(v) for v in views]
+    ours_zeros = optimizer.count_zeros_fp32(params, grad_stats_parallel_group=world,
+                                            tp_group=world)
+    theirs_zeros = ORIGINALS["count_zeros_fp32"](params, world, tp_group=world)
+    assert ours_zeros == theirs_zeros == sum(v.numel() - int(v.count_nonzero())
+                                             for v in views), what
+    if dtype != torch.float32:
+        return  # Megatron's clip asserts fp32 grads
+    total = ORIGINALS["get_grad_norm_fp32"](views)
+    max_norm = float(rng.choice([0.1, 1.0, 1e9])) * max(total, 1e-3)
+    theirs_buf = buf.clone()
+    theirs_views = [theirs_buf.as_strided(v.shape, v.stride(), v.storage_offset())
+                    for v in views]
+    ORIGINALS["clip_grad_by_total_norm_fp32"](
+        [Param(v.as_subclass(_CudaTyped)) for v in theirs_views], max_norm, total)
+    optimizer.clip_grad_by_total_norm_fp32([Param(v) for v in views], max_norm, total)
+    assert torch.equal(buf, theirs_buf), what  # the same memory, scaled the same times

@@ -6,6 +6,10 @@ results are identical with the pool and huge pages on and off; a caller's
 out= array is never taken from the pool."""
 
 import gc
+import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -194,15 +198,46 @@ def test_a_callers_out_array_is_never_pooled_advised_or_reallocated(pool):
     assert leanstep.huge_pages()["advised_bytes"] == huge_before
 
 
-def test_bad_settings_name_the_argument(monkeypatch):
-    with pytest.raises(leanstep.Error, match="argument 'cap_bytes' must be an int >= 0"):
-        leanstep.set_output_pool(True, -1)
+@pytest.mark.parametrize("cap", [-1, 2**63, 2**64, True, 1.5, "1"])
+def test_bad_caps_name_the_argument(cap):
+    before = leanstep.output_pool()
+    with pytest.raises(leanstep.Error, match=r"argument 'cap_bytes' must be an int in \[0, 2\^63 - 1\]"):
+        leanstep.set_output_pool(True, cap)
+    assert leanstep.output_pool()["cap_bytes"] == before["cap_bytes"]  # nothing was changed
+
+
+@pytest.mark.parametrize("enabled", ["off", 1, 0])
+def test_enabled_must_be_a_bool(enabled):
+    with pytest.raises(leanstep.Error, match="argument 'enabled' must be True, False or None"):
+        leanstep.set_output_pool(enabled)
+
+
+@pytest.mark.parametrize("value", ["lots", "1", "-5", "18000000000000", "1.5"])
+def test_bad_environment_names_the_rule(monkeypatch, value):
     from leanstep import _arrays
 
-    monkeypatch.setenv("LEANSTEP_OUTPUT_POOL", "lots")
-    with pytest.raises(leanstep.Error, match="LEANSTEP_OUTPUT_POOL must be 'off', 'on' or a cap"):
+    monkeypatch.setenv("LEANSTEP_OUTPUT_POOL", value)
+    with pytest.raises(leanstep.Error, match="LEANSTEP_OUTPUT_POOL must be 'on' .* or a cap in MiB "
+                                             f"from 2 to .*got '{re.escape(value)}'"):
         _arrays._parse_pool_env()
-    monkeypatch.setenv("LEANSTEP_OUTPUT_POOL", "off")
-    assert _arrays._parse_pool_env()[0] is False
+
+
+def test_environment_values(monkeypatch):
+    from leanstep import _arrays
+
+    for value, expected in [("off", False), ("0", False), ("on", True), ("", True)]:
+        monkeypatch.setenv("LEANSTEP_OUTPUT_POOL", value)
+        assert _arrays._parse_pool_env()[0] is expected
     monkeypatch.setenv("LEANSTEP_OUTPUT_POOL", "256")
     assert _arrays._parse_pool_env() == (True, 256 * MIB)
+    monkeypatch.setenv("LEANSTEP_OUTPUT_POOL", str(_arrays.MAX_POOL_CAP >> 20))
+    assert _arrays._parse_pool_env() == (True, (_arrays.MAX_POOL_CAP >> 20) << 20)
+
+
+def test_import_with_a_too_large_cap_says_why():
+    # A cap past 2^63 bytes failed inside the binding with a signature error at import.
+    env = dict(os.environ, LEANSTEP_OUTPUT_POOL="18000000000000")
+    proc = subprocess.run([sys.executable, "-c", "import leanstep"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "LEANSTEP_OUTPUT_POOL must be 'on'" in proc.stderr, proc.stderr

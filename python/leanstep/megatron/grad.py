@@ -28,7 +28,8 @@ ALIAS_MODULES = (OPTIMIZER, "megatron.core.optimizer.layer_wise_optimizer",
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _ptr = torch.Tensor.data_ptr
-_numel = torch.Tensor.numel
+_size = torch.Tensor.size
+_stride = torch.Tensor.stride
 _dtype = operator.attrgetter("dtype")
 _grad_of = operator.attrgetter("grad")
 
@@ -45,11 +46,22 @@ class PlanCache:
 
     @staticmethod
     def _key(grads):
-        return (tuple(map(_ptr, grads)), tuple(map(_numel, grads)), tuple(map(_dtype, grads)),
-                grads[0].device if grads else None)
+        # Everything that decides which memory a view covers: two views with
+        # one address and numel may still differ in strides (buf[0:8] and
+        # buf[0:16:2]) or shape.
+        return (tuple(map(_ptr, grads)), tuple(map(_size, grads)), tuple(map(_stride, grads)),
+                tuple(map(_dtype, grads)), grads[0].device if grads else None)
 
-    def get(self, grads):
-        """(plan, None), or (None, reason) when leanstep cannot take these grads."""
+    def get(self, grads, in_place=False):
+        """(plan, None), or (None, reason) when leanstep cannot take these grads.
+        ``in_place``: the caller writes the grads, so a self-overlapping one
+        (expand(), stride 0) goes to Megatron's own code, which decides."""
+        plan, reason = self._get(grads)
+        if in_place and plan is not None and plan._core.first_self_overlapping >= 0:
+            return None, "self_overlapping_grad"
+        return plan, reason
+
+    def _get(self, grads):
         last = self._last
         if last is not None and len(last[0]) == len(grads) and all(
                 map(operator.is_, last[0], grads)) and last[1].is_current():
@@ -159,7 +171,7 @@ def _make_clip_grad_by_total_norm_fp32(original, spec):
         else:  # the hot path: attribute reads in C, no Python loop per param
             grads = [g for g in map(_grad_of, params) if g is not None]
         allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
-        plan, reason = plans.get(grads)
+        plan, reason = plans.get(grads, in_place=True)
         if reason is None and grads and any(d not in allowed for d in set(map(_dtype, grads))):
             reason = "dtype"  # the original asserts on these
         if reason is None and isinstance(total_norm, torch.Tensor) and grads and \
@@ -275,7 +287,7 @@ def _make_unscale_and_check(original, spec):
             return original(self)
         stub = getattr(self, "is_stub_optimizer", False)
         main_grads = [] if stub else self._collect_main_grad_data_for_unscaling()
-        plan, reason = plans.get(main_grads)
+        plan, reason = plans.get(main_grads, in_place=True)
         inv_scale = self.grad_scaler.inv_scale
         if reason is None and main_grads and (
                 not isinstance(inv_scale, torch.Tensor) or inv_scale.device != main_grads[0].device
