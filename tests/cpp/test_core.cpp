@@ -1,8 +1,16 @@
 #include <dlpack/dlpack.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <random>
+#include <vector>
 
 #include "core/parallel.h"
 #include "leanstep/buffer.h"
@@ -205,3 +213,95 @@ TEST(Core, ReadScalarCountsHostReads) {
   Buffer two(DType::kFloat32, {2});
   EXPECT_LEANSTEP_ERROR(read_scalar(two), "exactly 1 element");
 }
+
+namespace leanstep {
+namespace {
+
+TEST(Core, EmptyAndSizeOneViewsAreContiguousWhateverTheirStrides) {
+  float storage[4] = {};
+  Tensor empty(storage, DType::kInt64, {0});
+  empty.strides[0] = 0;  // torch.as_tensor(np.array([], np.int64)) has stride (0,)
+  EXPECT_TRUE(empty.is_contiguous());
+  Tensor rows(storage, DType::kFloat32, {0, 4});
+  rows.strides[0] = 7;
+  rows.strides[1] = 3;
+  EXPECT_TRUE(rows.is_contiguous());
+  Tensor single(storage, DType::kFloat32, {1, 4});
+  single.strides[0] = 99;
+  EXPECT_TRUE(single.is_contiguous());
+  single.strides[1] = 2;
+  EXPECT_FALSE(single.is_contiguous());
+}
+
+// Brute force: two indices of the view reaching one element offset.
+bool overlaps_by_enumeration(const Tensor& t) {
+  std::vector<int64_t> offsets;
+  std::array<int64_t, kMaxDims> index{};
+  for (int64_t e = 0; e < t.numel(); ++e) {
+    int64_t offset = 0;
+    for (int d = 0; d < t.ndim; ++d) offset += index[d] * t.strides[d];
+    offsets.push_back(offset);
+    for (int d = t.ndim - 1; d >= 0 && ++index[d] == t.shape[d]; --d) index[d] = 0;
+  }
+  std::sort(offsets.begin(), offsets.end());
+  return std::adjacent_find(offsets.begin(), offsets.end()) != offsets.end();
+}
+
+TEST(Core, SelfOverlapRuleNeverMissesAnOverlap) {
+  std::mt19937_64 rng(testing::test_seed());
+  std::uniform_int_distribution<int> ndim(1, 3), size(0, 4), stride(-6, 6);
+  int refused_without_overlap = 0;
+  for (int trial = 0; trial < 3000; ++trial) {
+    Tensor t(nullptr, DType::kFloat32, {1});
+    t.ndim = ndim(rng);
+    for (int d = 0; d < t.ndim; ++d) {
+      t.shape[d] = size(rng);
+      t.strides[d] = stride(rng);
+    }
+    const bool truth = overlaps_by_enumeration(t);
+    if (truth) {
+      EXPECT_TRUE(t.may_self_overlap()) << t.describe();  // never missed
+    } else if (t.may_self_overlap()) {
+      ++refused_without_overlap;  // conservative cases
+    }
+    if (t.is_contiguous()) {
+      EXPECT_FALSE(t.may_self_overlap());
+    }
+  }
+  // The proof only fails for interleaved layouts: a small minority.
+  EXPECT_LT(refused_without_overlap, 300);
+  Tensor expanded(nullptr, DType::kFloat32, {6});
+  expanded.strides[0] = 0;
+  EXPECT_LEANSTEP_ERROR(check_no_self_overlap(expanded, "op", "out"),
+                        "op: argument 'out' must not overlap itself");
+}
+
+TEST(Core, ThreadCountIsBoundedWithANamedError) {
+  const int before = num_threads();
+  for (int n : {0, -3, kMaxThreads + 1, 100000})
+    EXPECT_LEANSTEP_ERROR(set_num_threads(n), "set_num_threads: argument 'n' must be in [1, 1024]");
+  EXPECT_EQ(num_threads(), before);
+}
+
+TEST(Core, AForkedChildRunsParallelLoopsOnItsOwnThread) {
+  // GNU OpenMP's pool does not survive fork(): a parallel region in the child
+  // of a process that used it waits forever. The child must run serially.
+  std::atomic<int64_t> total{0};
+  detail::parallel_chunks(1 << 20, 1 << 12, [&](int64_t, int64_t b, int64_t e) { total += e - b; });
+  ASSERT_EQ(total.load(), 1 << 20);
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    alarm(60);  // a hang fails the test instead of the whole run
+    std::atomic<int64_t> child_total{0};
+    detail::parallel_chunks(1 << 20, 1 << 12, [&](int64_t, int64_t b, int64_t e) { child_total += e - b; });
+    _exit(child_total.load() == (1 << 20) && num_threads() == 1 ? 0 : 3);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child did not exit (signal " << WTERMSIG(status) << ")";
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+}  // namespace
+}  // namespace leanstep

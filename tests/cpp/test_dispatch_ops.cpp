@@ -541,3 +541,51 @@ TEST_F(DispatchOps, RmsnormBackwardWorksInTheCallersWorkspace) {
   EXPECT_TRUE(same_bits(dg_own, dg_ws));
   EXPECT_NE(scratch[0], 12345.0f);  // it was used
 }
+
+// ---------------------------------------------------------------- in-place grad ops
+
+TEST_F(DispatchOps, InPlaceGradOpsRefuseASelfOverlappingViewUnderEveryPresetAndImplementation) {
+  float values[4] = {1, 2, 3, 4};
+  float one = 1.0f;
+  Tensor dense(values, DType::kFloat32, {3});
+  Tensor expanded(&values[3], DType::kFloat32, {6});
+  expanded.strides[0] = 0;  // torch's expand(): six indices, one element
+  const std::vector<Tensor> views{dense, expanded};
+  const grad::Plan plan(views);
+  ASSERT_EQ(plan.first_self_overlapping(), 1);
+  Buffer out(DType::kFloat32, {1}), found(DType::kFloat32, {1}), coeff(DType::kFloat32, {1});
+  const Tensor scalar(&one, DType::kFloat32, {1}), found_view = found.view(), coeff_view = coeff.view();
+  const char* kRule = "argument 'grads[1]' must not overlap itself";
+  auto expect_untouched = [&] {
+    EXPECT_EQ(values[0], 1);
+    EXPECT_EQ(values[3], 4);
+  };
+  for (const char* preset : {"all", "baseline"}) {
+    SCOPED_TRACE(preset);
+    ld::registry().set_preset(preset);
+    EXPECT_LEANSTEP_ERROR(ops::grad_unscale_norm(plan, scalar, out, found), kRule);
+    EXPECT_LEANSTEP_ERROR(ops::grad_clip(plan, scalar, 1.0, &coeff_view), kRule);
+    EXPECT_LEANSTEP_ERROR(ops::grad_norm_clip(plan, 1.0, out, 2.0, &found_view, &coeff_view), kRule);
+    EXPECT_LEANSTEP_ERROR(ops::grad_scale(plan, scalar), kRule);
+    expect_untouched();
+    EXPECT_NO_THROW(ops::grad_norm(plan, out));  // reading is fine
+  }
+  for (const char* impl : {"reference", "fused"}) {
+    SCOPED_TRACE(impl);
+    EXPECT_LEANSTEP_ERROR(ops::grad_unscale_norm_op().call_impl(impl, plan, scalar, out, found, 2.0, nullptr, {}), kRule);
+    EXPECT_LEANSTEP_ERROR(ops::grad_clip_op().call_impl(impl, plan, scalar, 1.0, &coeff_view, {}), kRule);
+    EXPECT_LEANSTEP_ERROR(ops::grad_scale_op().call_impl(impl, plan, scalar, {}), kRule);
+    expect_untouched();
+  }
+  // The area functions refuse it too (direct C++ callers bypass the slot).
+  EXPECT_LEANSTEP_ERROR(grad::scale(plan, scalar), kRule);
+  EXPECT_LEANSTEP_ERROR(grad::reference::clip(views, scalar, 1.0, nullptr), kRule);
+  const std::vector<Tensor> in{dense}, out_views{expanded};
+  Buffer src(DType::kFloat32, {6});
+  const std::vector<Tensor> src6{src.view()};
+  for (const char* impl : {"reference", "fused"})
+    EXPECT_LEANSTEP_ERROR(ops::grad_multi_tensor_scale_op().call_impl(impl, TensorList(src6), TensorList(out_views),
+                                                                      scalar, found, {}),
+                          "argument 'out[0]' must not overlap itself");
+  expect_untouched();
+}

@@ -564,3 +564,27 @@ def test_import_leanstep_does_not_import_triton():
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(leanstep.__file__)))
     env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_in_place_ops_refuse_a_self_overlapping_grad_as_every_backend_does():
+    """A grad from expand() reaches one element by six indices: the in-place
+    ops refuse it with leanstep's named error (torch's own error before),
+    before any launch; the norm only reads it."""
+    dense, expanded = dev(torch.full((4,), 3.0)), dev(torch.ones(1)).expand(6)
+    plan = leanstep.GradPlan([dense, expanded], backend="triton")
+    rule = r"argument 'grads\[1\]' must not overlap itself.*strides \[0\]"
+    for op, call in (("unscale_", lambda: plan.unscale_(2.0)), ("scale_", lambda: plan.scale_(2.0)),
+                     ("clip_", lambda: plan.clip_(1.0, dev(torch.tensor([100.0])))),
+                     ("norm_clip_", lambda: plan.norm_clip_(1.0)),
+                     ("norm", lambda: plan.norm(inv_scale=0.5))):
+        with triton_common.count_launches() as launches, \
+                pytest.raises(leanstep.Error, match=rf"GradPlan\.{op}: " + rule):
+            call()
+        assert not launches, op
+    assert torch.equal(dense.cpu(), torch.full((4,), 3.0)) and torch.equal(expanded.cpu(), torch.ones(6))
+    norm, _ = plan.norm()
+    assert abs(norm.item() - math.sqrt(36 + 6)) <= 4 * U32 * math.sqrt(42)
+    with pytest.raises(leanstep.Error, match=r"multi_tensor_scale: argument 'dst_list\[0\]' "
+                                             r"must not overlap itself"):
+        leanstep.multi_tensor_scale([dev(torch.ones(6))], [dev(torch.zeros(1)).expand(6)], 2.0,
+                                    backend="triton")
