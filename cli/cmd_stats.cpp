@@ -43,9 +43,6 @@ struct AnalyzeOptions {
   std::string baseline;
   bool json = false;
   std::string plot;
-  int resamples = 2000;
-  uint64_t seed = 7;
-  int64_t bootstrap_block = 1;
   std::vector<std::string> interactions;
 };
 
@@ -137,9 +134,6 @@ void run_analyze(const AnalyzeOptions& o) {
   if (o.warmup >= 0) options.warmup = o.warmup;
   if (o.exclude_after_transition >= 0) options.exclude_after_transition = o.exclude_after_transition;
   options.baseline = o.baseline;
-  options.bootstrap_resamples = o.resamples;
-  options.bootstrap_seed = o.seed;
-  options.bootstrap_block = o.bootstrap_block;
   for (const auto& spec : o.interactions) {
     // NAME=FIRST+SECOND (also accepts FIRST,SECOND after '=')
     const size_t eq = spec.find('=');
@@ -232,7 +226,7 @@ void add_stats_commands(Context& ctx) {
 
   auto analyze_opts = std::make_shared<AnalyzeOptions>();
   auto* analyze = crossover->add_subcommand(
-      "analyze", "Paired same-position step-duration ratios: geometric mean, reduction, bootstrap 95% CI, interactions");
+      "analyze", "Paired same-position step-duration ratios: geometric mean, reduction, 95% CI over runs, interactions");
   analyze->add_option("logs", analyze_opts->logs, "Step logs of all runs (.jsonl / .csv files or directories)")->required();
   analyze->add_option("--plan", analyze_opts->plan, "The plan JSON (checks the logs, supplies unlogged conditions)");
   analyze->add_option("--warmup", analyze_opts->warmup, "Warm-up steps discarded per run (default: the plan's, else 0)")
@@ -243,15 +237,6 @@ void add_stats_commands(Context& ctx) {
   analyze->add_option("--baseline", analyze_opts->baseline, "Baseline condition (default: the plan's first, else the first logged)");
   analyze->add_option("--interaction", analyze_opts->interactions,
                       "Combined condition and its parts, COMBINED=FIRST+SECOND (repeatable; names 'A+B' are found automatically)");
-  analyze->add_option("--bootstrap-resamples", analyze_opts->resamples, "Bootstrap resamples")
-      ->capture_default_str()
-      ->check(integer_in(100, 10000000));
-  analyze->add_option("--seed", analyze_opts->seed, "Bootstrap seed (fixed: the same logs give the same interval)")
-      ->capture_default_str();
-  analyze->add_option("--bootstrap-block", analyze_opts->bootstrap_block,
-                      "Resample moving blocks of this many consecutive matched positions (1: plain bootstrap)")
-      ->capture_default_str()
-      ->check(integer_in(1, st::kMaxStep, "2^62"));
   analyze->add_flag("--json", analyze_opts->json, "One JSON object: {baseline, comparisons: [...], interactions, ...}");
   analyze->add_option("--plot", analyze_opts->plot, "Write an SVG plot: one panel per run, coloured by condition");
   analyze->callback([analyze_opts] { run_analyze(*analyze_opts); });

@@ -219,9 +219,6 @@ struct CrossoverOptions {
   std::string baseline;                   // "" -> the plan's first condition, else the first seen
   std::optional<int64_t> warmup;          // default: the plan's, else 0
   std::optional<int64_t> exclude_after_transition;  // default: the plan's, else 2
-  int bootstrap_resamples = 2000;
-  uint64_t bootstrap_seed = 7;            // fixed: the same logs give the same interval
-  int64_t bootstrap_block = 1;            // >1: moving blocks of matched positions
   // Combined conditions for the interaction view: {combined, {first, second}}.
   // Conditions named "A+B" whose parts are conditions are added automatically.
   std::vector<std::pair<std::string, std::pair<std::string, std::string>>> interactions;
@@ -232,9 +229,13 @@ struct PairResult {
   std::string condition, versus;   // ratio = condition / versus
   double geomean_ratio = 1, reduction = 0, ci_low = 0, ci_high = 0;  // reduction = 1 - ratio
   int64_t matched_positions = 0;
+  // The independent units the interval rests on: the runs that hold either side at a
+  // matched position. Fewer than kMinIntervalRuns: no interval (ci_* are NaN).
+  int64_t independent_runs = 0;
   double geomean_ratio_with_transitions = 1, reduction_with_transitions = 0;
   double ci_low_with_transitions = 0, ci_high_with_transitions = 0;
   int64_t matched_positions_with_transitions = 0;
+  int64_t independent_runs_with_transitions = 0;
 };
 
 struct ConditionSummary {
@@ -255,8 +256,6 @@ struct CrossoverResult {
   std::string baseline;
   int64_t warmup = 0, exclude_after_transition = 0;
   int num_runs = 0;
-  int64_t bootstrap_resamples = 0;
-  uint64_t bootstrap_seed = 0;
   std::vector<std::string> conditions;
   std::vector<ConditionSummary> condition_summaries;
   std::vector<PairResult> comparisons;  // each vs baseline first, then every other pair
@@ -270,13 +269,27 @@ CrossoverResult analyze_crossover(const std::vector<StepRecord>& records,
 std::string format_crossover(const CrossoverResult& result);
 nlohmann::json to_json(const CrossoverResult& result);
 
-// Geometric mean of ratios with a percentile bootstrap 95% interval (of the ratio).
-struct GeomeanCI {
-  double geomean = 1, low = 1, high = 1;
-  int64_t n = 0;
+// The 95% interval of a paired reduction, from the runs' contributions to it.
+//
+// The estimate (the mean over matched positions of the difference of the two sides' mean
+// log durations) is a sum over runs: each run contributes its log durations at the matched
+// positions, weighted +1/(runs of the condition there) or -1/(runs of the other), divided
+// by the number of positions. Where a run holds both sides equally often (every balanced
+// plan) its weights sum to zero, so its speed offset cancels inside its own contribution.
+// Runs are independent (a run's steps share its offset and its drift, so positions are
+// not): the variance of the sum is estimated from the spread of the contributions
+// (n/(n-1) sum (z - mean z)^2, cluster-robust) and the interval uses Student's t with
+// n - 1 degrees of freedom. It covers the step-to-step noise, drift within runs and run
+// offsets; it does not cover a drift every run shares that the plan does not balance.
+inline constexpr int64_t kMinIntervalRuns = 3;
+struct RunContrastCI {
+  double log_ratio = 0;    // the sum of the contributions (NaN without any)
+  double low = 0, high = 0;  // log-ratio bounds; NaN with fewer than kMinIntervalRuns runs
+  int64_t runs = 0;
 };
-GeomeanCI geomean_ratio_ci(const std::vector<double>& log_ratios, int resamples, uint64_t seed,
-                           int64_t block = 1);
+RunContrastCI run_contrast_ci(const std::vector<double>& run_contributions);
+// Student's t 0.975 quantile for df >= 1 (a table to 30, then the Cornish-Fisher series).
+double student_t_975(int64_t df);
 
 // ---------------------------------------------------------------- plots
 

@@ -27,12 +27,14 @@ def compare_runs(old_paths, new_paths, warmup=20, window=20):
                                                    int(warmup), int(window)))
 
 
-def crossover_analysis(paths, plan=None, baseline="", warmup=None, resamples=2000, seed=7):
+def crossover_analysis(paths, plan=None, baseline="", warmup=None):
     """Counterbalanced crossover analysis of step logs (paired same-position
-    ratios, bootstrap intervals)."""
+    ratios; 95% intervals over runs, the independent units: docs/stats.md).
+    A comparison resting on fewer than 3 runs has ``ci_low`` / ``ci_high``
+    None."""
     return json.loads(_leanstep.stats_crossover_json(
         _paths(paths), os.fspath(plan) if plan else "", baseline,
-        None if warmup is None else int(warmup), int(resamples), int(seed)))
+        None if warmup is None else int(warmup)))
 
 
 def crossover_plan(conditions, runs, block_steps, warmup, allocations=(),

@@ -40,8 +40,7 @@ void bind_stats(nb::module_& m) {
   m.def(
       "stats_crossover_json",
       [](const std::vector<std::string>& paths, const std::string& plan_path,
-         const std::string& baseline, std::optional<int64_t> warmup, int resamples,
-         uint64_t seed) {
+         const std::string& baseline, std::optional<int64_t> warmup) {
         nb::gil_scoped_release release;
         stats::CrossoverOptions options;
         std::unique_ptr<stats::CrossoverPlan> plan;
@@ -51,12 +50,10 @@ void bind_stats(nb::module_& m) {
         }
         options.baseline = baseline;
         options.warmup = warmup;
-        options.bootstrap_resamples = resamples;
-        options.bootstrap_seed = seed;
         return stats::to_json(stats::analyze_crossover(stats::read_step_logs(paths), options)).dump();
       },
       nb::arg("paths"), nb::arg("plan") = "", nb::arg("baseline") = "",
-      nb::arg("warmup").none() = nb::none(), nb::arg("resamples") = 2000, nb::arg("seed") = 7);
+      nb::arg("warmup").none() = nb::none());
   m.def(
       "stats_crossover_plan_json",
       [](const std::vector<std::string>& conditions, int runs, int64_t block_steps,

@@ -310,58 +310,43 @@ std::string format_plan(const CrossoverPlan& plan) {
   return out;
 }
 
-// ---------------------------------------------------------------- bootstrap
+// ---------------------------------------------------------------- interval over runs
 
-namespace {
+double student_t_975(int64_t df) {
+  LEANSTEP_CHECK_ARG(df >= 1, "student_t_975", "df", fmt::format("must be >= 1 (got {})", df));
+  static constexpr double kTable[30] = {12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624,
+                                        2.306004,  2.262157, 2.228139, 2.200985, 2.178813, 2.160369, 2.144787,
+                                        2.131450,  2.119905, 2.109816, 2.100922, 2.093024, 2.085963, 2.079614,
+                                        2.073873,  2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407,
+                                        2.045230,  2.042272};
+  if (df <= 30) return kTable[df - 1];
+  // Cornish-Fisher expansion around the normal quantile (error < 1e-6 beyond 30).
+  const double z = 1.959963984540054, n = static_cast<double>(df);
+  const double z3 = z * z * z, z5 = z3 * z * z, z7 = z5 * z * z;
+  return z + (z3 + z) / (4 * n) + (5 * z5 + 16 * z3 + 3 * z) / (96 * n * n) +
+         (3 * z7 + 19 * z5 + 17 * z3 - 15 * z) / (384 * n * n * n);
+}
 
-// SplitMix64: a fixed, portable generator so intervals are identical on every platform
-// (std:: distributions are implementation-defined).
-struct SplitMix64 {
-  uint64_t state;
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [0, n) by the multiply-high method (bias below 2^-40 for our n).
-  uint64_t below(uint64_t n) { return static_cast<uint64_t>((static_cast<unsigned __int128>(next()) * n) >> 64); }
-};
-
-}  // namespace
-
-GeomeanCI geomean_ratio_ci(const std::vector<double>& log_ratios, int resamples, uint64_t seed, int64_t block) {
-  LEANSTEP_CHECK_ARG(resamples >= 1, "geomean_ratio_ci", "resamples", fmt::format("must be >= 1 (got {})", resamples));
-  LEANSTEP_CHECK_ARG(block >= 1, "geomean_ratio_ci", "block", fmt::format("must be >= 1 (got {})", block));
-  GeomeanCI ci;
-  const size_t n = log_ratios.size();
-  ci.n = static_cast<int64_t>(n);
+RunContrastCI run_contrast_ci(const std::vector<double>& contributions) {
+  RunContrastCI ci;
+  const size_t n = contributions.size();
+  ci.runs = static_cast<int64_t>(n);
+  ci.low = ci.high = std::nan("");
   if (n == 0) {
-    ci.geomean = ci.low = ci.high = std::nan("");
+    ci.log_ratio = std::nan("");
     return ci;
   }
-  const double m = mean_of(log_ratios);
-  ci.geomean = std::exp(m);
-  if (n == 1) {
-    ci.low = ci.high = ci.geomean;
-    return ci;
-  }
-  const size_t len = std::min(static_cast<size_t>(block), n);
-  SplitMix64 rng{seed};
-  std::vector<double> means(static_cast<size_t>(resamples));
-  for (int b = 0; b < resamples; ++b) {
-    double sum = 0;
-    size_t taken = 0;
-    while (taken < n) {
-      // A block of `len` consecutive matched positions (len 1: the plain bootstrap).
-      const size_t start = rng.below(n - len + 1);
-      for (size_t i = 0; i < len && taken < n; ++i, ++taken) sum += log_ratios[start + i];
-    }
-    means[static_cast<size_t>(b)] = sum / static_cast<double>(n);
-  }
-  std::sort(means.begin(), means.end());
-  ci.low = std::exp(percentile_sorted(means, 0.025));
-  ci.high = std::exp(percentile_sorted(means, 0.975));
+  double sum = 0;
+  for (double z : contributions) sum += z;
+  ci.log_ratio = sum;
+  if (ci.runs < kMinIntervalRuns) return ci;  // too few independent units: no interval
+  const double mean = sum / static_cast<double>(n);
+  double squares = 0;
+  for (double z : contributions) squares += (z - mean) * (z - mean);
+  const double variance = static_cast<double>(n) / static_cast<double>(n - 1) * squares;
+  const double half = student_t_975(ci.runs - 1) * std::sqrt(variance);
+  ci.low = sum - half;
+  ci.high = sum + half;
   return ci;
 }
 
@@ -369,23 +354,50 @@ GeomeanCI geomean_ratio_ci(const std::vector<double>& log_ratios, int resamples,
 
 namespace {
 
-// Per step position: the logarithm of each used step duration and its condition.
-using PositionMap = std::map<int64_t, std::vector<std::pair<std::string, double>>>;
+// Per step position: the logarithm of each used step duration, its condition and run.
+struct UsedStep {
+  std::string condition;
+  double log_duration;
+  size_t run;
+};
+using PositionMap = std::map<int64_t, std::vector<UsedStep>>;
 
-std::vector<double> matched_log_ratios(const PositionMap& positions, const std::string& x, const std::string& y) {
-  std::vector<double> out;
+// The paired estimate of x against y, the seed's: the mean over matched positions of the
+// difference of the sides' mean log durations (several runs may hold a condition at one
+// position when runs = m x conditions); and each run's contribution to it (their sum),
+// for the interval (see run_contrast_ci), over the runs that take part.
+struct PairedEstimate {
+  double mean_log_ratio = 0;  // NaN without a matched position
+  int64_t positions = 0;
+  std::vector<double> run_contributions;
+};
+
+PairedEstimate paired_estimate(const PositionMap& positions, const std::string& x, const std::string& y,
+                               size_t num_runs) {
+  PairedEstimate e;
+  std::vector<double> contribution(num_runs, 0.0);
+  std::vector<bool> takes_part(num_runs, false);
+  double sum = 0;
   for (const auto& [pos, entries] : positions) {
     double sx = 0, sy = 0;
     int nx = 0, ny = 0;
-    for (const auto& [c, logd] : entries) {
-      if (c == x) sx += logd, ++nx;
-      else if (c == y) sy += logd, ++ny;
+    for (const auto& u : entries) {
+      if (u.condition == x) sx += u.log_duration, ++nx;
+      else if (u.condition == y) sy += u.log_duration, ++ny;
     }
-    // Several runs may hold a condition at one position (runs = m x conditions): compare
-    // the geometric means of each side at that position.
-    if (nx && ny) out.push_back(sx / nx - sy / ny);
+    if (!nx || !ny) continue;
+    sum += sx / nx - sy / ny;
+    ++e.positions;
+    for (const auto& u : entries) {
+      if (u.condition != x && u.condition != y) continue;
+      contribution[u.run] += u.condition == x ? u.log_duration / nx : -u.log_duration / ny;
+      takes_part[u.run] = true;
+    }
   }
-  return out;
+  e.mean_log_ratio = e.positions ? sum / static_cast<double>(e.positions) : std::nan("");
+  for (size_t r = 0; r < num_runs; ++r)
+    if (takes_part[r]) e.run_contributions.push_back(contribution[r] / static_cast<double>(e.positions));
+  return e;
 }
 
 }  // namespace
@@ -393,10 +405,6 @@ std::vector<double> matched_log_ratios(const PositionMap& positions, const std::
 CrossoverResult analyze_crossover(const std::vector<StepRecord>& records_in, const CrossoverOptions& options) {
   const char* where = "crossover analyze";
   LEANSTEP_CHECK_ARG(!records_in.empty(), where, "records", "must not be empty");
-  LEANSTEP_CHECK_ARG(options.bootstrap_resamples >= 100, where, "bootstrap_resamples",
-                     fmt::format("must be >= 100 (got {})", options.bootstrap_resamples));
-  LEANSTEP_CHECK_ARG(options.bootstrap_block >= 1, where, "bootstrap_block",
-                     fmt::format("must be >= 1 (got {})", options.bootstrap_block));
   const CrossoverPlan* plan = options.plan;
   CrossoverResult res;
   res.series = build_series(records_in);
@@ -406,8 +414,6 @@ CrossoverResult analyze_crossover(const std::vector<StepRecord>& records_in, con
   LEANSTEP_CHECK_ARG(res.warmup >= 0, where, "warmup", fmt::format("must be >= 0 (got {})", res.warmup));
   LEANSTEP_CHECK_ARG(res.exclude_after_transition >= 0, where, "exclude_after_transition",
                      fmt::format("must be >= 0 (got {})", res.exclude_after_transition));
-  res.bootstrap_resamples = options.bootstrap_resamples;
-  res.bootstrap_seed = options.bootstrap_seed;
 
   // The plan checks the logs and supplies conditions/blocks the logs did not record.
   if (plan) {
@@ -464,7 +470,8 @@ CrossoverResult analyze_crossover(const std::vector<StepRecord>& records_in, con
   // Used steps by position, with and without the first steps after each transition.
   PositionMap with_transitions, without_transitions;
   std::map<std::string, std::vector<double>> per_condition;
-  for (const auto& s : res.series) {
+  for (size_t run = 0; run < res.series.size(); ++run) {
+    const StepSeries& s = res.series[run];
     std::string previous_key;
     int64_t block_start = 0;
     int64_t incomplete = 0;
@@ -485,9 +492,9 @@ CrossoverResult analyze_crossover(const std::vector<StepRecord>& records_in, con
         continue;
       }
       const double logd = std::log(s.duration_s[i]);
-      with_transitions[pos].emplace_back(s.condition[i], logd);
+      with_transitions[pos].push_back({s.condition[i], logd, run});
       if (since_block_start >= res.exclude_after_transition) {
-        without_transitions[pos].emplace_back(s.condition[i], logd);
+        without_transitions[pos].push_back({s.condition[i], logd, run});
         per_condition[s.condition[i]].push_back(s.duration_s[i]);
       }
     }
@@ -511,22 +518,28 @@ CrossoverResult analyze_crossover(const std::vector<StepRecord>& records_in, con
     PairResult p;
     p.condition = x;
     p.versus = y;
-    const GeomeanCI a = geomean_ratio_ci(matched_log_ratios(without_transitions, x, y), options.bootstrap_resamples,
-                                         options.bootstrap_seed, options.bootstrap_block);
-    const GeomeanCI b = geomean_ratio_ci(matched_log_ratios(with_transitions, x, y), options.bootstrap_resamples,
-                                         options.bootstrap_seed, options.bootstrap_block);
-    p.geomean_ratio = a.geomean;
-    p.reduction = 1 - a.geomean;
-    p.ci_low = 1 - a.high;  // a larger ratio is a smaller reduction
-    p.ci_high = 1 - a.low;
-    p.matched_positions = a.n;
-    p.geomean_ratio_with_transitions = b.geomean;
-    p.reduction_with_transitions = 1 - b.geomean;
-    p.ci_low_with_transitions = 1 - b.high;
-    p.ci_high_with_transitions = 1 - b.low;
-    p.matched_positions_with_transitions = b.n;
-    if (a.n == 0)
+    const size_t runs = res.series.size();
+    const PairedEstimate a = paired_estimate(without_transitions, x, y, runs);
+    const PairedEstimate b = paired_estimate(with_transitions, x, y, runs);
+    const RunContrastCI ia = run_contrast_ci(a.run_contributions), ib = run_contrast_ci(b.run_contributions);
+    p.geomean_ratio = std::exp(a.mean_log_ratio);
+    p.reduction = 1 - p.geomean_ratio;
+    p.ci_low = 1 - std::exp(ia.high);  // a larger ratio is a smaller reduction
+    p.ci_high = 1 - std::exp(ia.low);
+    p.matched_positions = a.positions;
+    p.independent_runs = ia.runs;
+    p.geomean_ratio_with_transitions = std::exp(b.mean_log_ratio);
+    p.reduction_with_transitions = 1 - p.geomean_ratio_with_transitions;
+    p.ci_low_with_transitions = 1 - std::exp(ib.high);
+    p.ci_high_with_transitions = 1 - std::exp(ib.low);
+    p.matched_positions_with_transitions = b.positions;
+    p.independent_runs_with_transitions = ib.runs;
+    if (a.positions == 0)
       res.notes.push_back(fmt::format("'{}' and '{}' never share a step position: no paired ratio", x, y));
+    else if (ia.runs < kMinIntervalRuns)
+      res.notes.push_back(fmt::format("'{}' vs '{}' rests on {} independent run(s): too few for an interval "
+                                      "(at least {}; the steps of one run are not independent)",
+                                      x, y, ia.runs, kMinIntervalRuns));
     return p;
   };
   for (const auto& c : conditions)
@@ -583,7 +596,7 @@ CrossoverResult analyze_crossover(const std::vector<StepRecord>& records_in, con
 namespace {
 
 std::string ci_text(double lo, double hi) {
-  if (!std::isfinite(lo) || !std::isfinite(hi)) return "-";
+  if (!std::isfinite(lo) || !std::isfinite(hi)) return "n/a";
   return fmt::format("[{:+.2f}%, {:+.2f}%]", lo * 100, hi * 100);
 }
 
@@ -610,12 +623,13 @@ std::string format_crossover(const CrossoverResult& r) {
     labels.push_back(p.condition + " vs " + p.versus);
     lw = std::max(lw, labels.back().size());
   }
-  out += fmt::format("{:<{}}  {:>10}  {:>22}  {:>8}  {:>12}  {:>8}\n", "comparison", lw, "reduction", "95% CI",
-                     "matched", "incl. trans.", "matched");
+  out += fmt::format("{:<{}}  {:>10}  {:>22}  {:>5}  {:>8}  {:>12}  {:>8}\n", "comparison", lw, "reduction",
+                     "95% CI", "runs", "matched", "incl. trans.", "matched");
   for (size_t i = 0; i < r.comparisons.size(); ++i) {
     const auto& p = r.comparisons[i];
-    out += fmt::format("{:<{}}  {:>10}  {:>22}  {:>8}  {:>12}  {:>8}\n", labels[i], lw, format_percent(p.reduction),
-                       ci_text(p.ci_low, p.ci_high), p.matched_positions, format_percent(p.reduction_with_transitions),
+    out += fmt::format("{:<{}}  {:>10}  {:>22}  {:>5}  {:>8}  {:>12}  {:>8}\n", labels[i], lw,
+                       format_percent(p.reduction), ci_text(p.ci_low, p.ci_high), p.independent_runs,
+                       p.matched_positions, format_percent(p.reduction_with_transitions),
                        p.matched_positions_with_transitions);
   }
   if (!r.interactions.empty()) out += "\ninteractions (gains need not add up):\n";
@@ -626,8 +640,10 @@ std::string format_crossover(const CrossoverResult& r) {
     out += fmt::format("    adding {} on top of {}: {};  adding {} on top of {}: {}\n", in.second, in.first,
                        format_percent(in.combined_vs_first), in.first, in.second, format_percent(in.combined_vs_second));
   }
-  out += fmt::format("\n95% CI: percentile bootstrap over matched positions, {} resamples, seed {}\n",
-                     r.bootstrap_resamples, r.bootstrap_seed);
+  out += fmt::format(
+      "\n95% CI: Student t over the runs' contributions to the estimate (the runs are the independent units: the "
+      "steps of one run share its offset and drift), runs - 1 degrees of freedom; none below {} runs\n",
+      kMinIntervalRuns);
   if (!r.notes.empty()) {
     out += "notes:\n";
     for (const auto& n : r.notes) out += "  " + n + "\n";
@@ -644,6 +660,8 @@ json to_json(const CrossoverResult& r) {
                            {"ci_low", number_or_null(p.ci_low)},
                            {"ci_high", number_or_null(p.ci_high)},
                            {"matched_positions", p.matched_positions},
+                           {"independent_runs", p.independent_runs},
+                           {"independent_runs_with_transitions", p.independent_runs_with_transitions},
                            {"reduction_with_transitions", number_or_null(p.reduction_with_transitions)},
                            {"geomean_ratio", number_or_null(p.geomean_ratio)},
                            {"ci_low_with_transitions", number_or_null(p.ci_low_with_transitions)},
@@ -673,7 +691,7 @@ json to_json(const CrossoverResult& r) {
           {"runs", r.num_runs},
           {"warmup", r.warmup},
           {"exclude_after_transition", r.exclude_after_transition},
-          {"bootstrap", {{"resamples", r.bootstrap_resamples}, {"seed", r.bootstrap_seed}}},
+          {"interval", {{"method", "student t over runs' contributions"}, {"min_runs", kMinIntervalRuns}}},
           {"notes", r.notes}};
 }
 

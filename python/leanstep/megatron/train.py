@@ -23,7 +23,7 @@ leanstep's own statistics. What a run does:
    baseline and an "all" run on the same data for the agreement check.
 
 Then it prints the per-condition step summary (step = max over ranks), the
-paired same-position reductions with bootstrap intervals, the audit table,
+paired same-position reductions with intervals over runs, the audit table,
 the loss / grad-norm agreement, the trainable parameters per rank and the
 first microbatch hash of every rank, and writes them as JSON (``--out``).
 """
@@ -546,13 +546,15 @@ def format_results(r):
                          f"mean {c.get('mean_s', float('nan')):.4f}")
         if xo:
             lines.append("  paired same-position reductions vs baseline (geometric mean of "
-                         "ratios, bootstrap 95% CI; positive = faster):")
+                         "ratios, 95% CI over runs; positive = faster):")
         for c in xo.get("comparisons", []):
             if c.get("versus") != "baseline":
                 continue
-            lines.append(f"    {c['condition']:<9} {100 * c['reduction']:+6.1f}%  "
-                         f"[{100 * c['ci_low']:+.1f}%, {100 * c['ci_high']:+.1f}%]  "
-                         f"({c['matched_positions']} matched positions)")
+            interval = ("no interval: too few runs" if c["ci_low"] is None or c["ci_high"] is None
+                        else f"[{100 * c['ci_low']:+.1f}%, {100 * c['ci_high']:+.1f}%]")
+            lines.append(f"    {c['condition']:<9} {100 * c['reduction']:+6.1f}%  {interval}  "
+                         f"({c['independent_runs']} runs, {c['matched_positions']} matched "
+                         f"positions)")
         if "audit" in e:
             lines.append("  audit of one step per condition (rank 0: aten ops (views), host "
                          "syncs, host reads):")
