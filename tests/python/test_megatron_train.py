@@ -22,6 +22,8 @@ import leanstep
 
 pytest.importorskip("megatron.core")
 
+from leanstep.megatron import train as main_job  # noqa: E402
+
 SMALL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--experts", "4",
          "--moe-ffn", "64", "--seq", "32", "--micro-batch", "2"]
 
@@ -107,12 +109,27 @@ def test_quick_crossover_at_ep_1_and_2(tmp_path):
     assert logs == ["steps.rank0.jsonl", "steps.rank1.jsonl"]
 
 
+def test_aa_condition_is_the_baseline_again_with_an_interval_over_runs(tmp_path):
+    r = run_job(tmp_path, "--quick", "--ep", "1", "--aa", "--runs", "5", "--phases", "crossover")
+    xo = r["ep"]["1"]["crossover"]
+    assert [c["condition"] for c in xo["conditions"]] == ["baseline", "rmsnorm", "grad", "all",
+                                                          "baseline-aa"]
+    aa = next(c for c in xo["comparisons"]
+              if c["condition"] == "baseline-aa" and c["versus"] == "baseline")
+    assert aa["independent_runs"] == 5 and aa["ci_low"] < aa["ci_high"]
+    plan = json.load(open(tmp_path / "job" / "ep1" / "plan.json"))
+    assert len(plan["runs"]) == 5 and all(len(run["blocks"]) == 5 for run in plan["runs"])
+    text = main_job.format_results(r)
+    assert "baseline-aa" in text and "A/A: the baseline again" in text
+
+
 def test_bad_arguments_are_named_before_any_rank_starts(tmp_path):
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(leanstep.__file__))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     for args, message in [(["--ep", "3"], "argument --ep: each size must be >= 1 and divide"),
                           (["--runs", "6"], "argument --runs: must be a multiple of 4"),
+                          (["--aa", "--runs", "4"], "argument --runs: must be a multiple of 5"),
                           (["--topk", "9"], "argument --topk: must be <= --experts"),
                           (["--phases", "nope"], "argument --phases: must name")]:
         done = subprocess.run([sys.executable, "-m", "leanstep.megatron.train", *args,

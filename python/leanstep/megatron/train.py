@@ -42,7 +42,15 @@ import warnings
 from functools import partial
 
 CONDITIONS = ("baseline", "rmsnorm", "grad", "all")
-PRESETS = {"baseline": "baseline", "rmsnorm": "rmsnorm", "grad": "grad", "all": "all"}
+#: With --aa: a second baseline, the same preset under another name. Its reduction
+#: against "baseline" is 0 in truth, so its interval shows what noise alone gives.
+AA_CONDITION = "baseline-aa"
+PRESETS = {"baseline": "baseline", "rmsnorm": "rmsnorm", "grad": "grad", "all": "all",
+           AA_CONDITION: "baseline"}
+
+
+def crossover_conditions(args):
+    return CONDITIONS + ((AA_CONDITION,) if args.aa else ())
 DEFAULT_TARGETS = "linear_qkv,linear_proj,linear_fc1,linear_fc2"
 CORPUS = os.path.join("data", "corpus.txt")
 
@@ -77,7 +85,11 @@ def build_parser():
     g.add_argument("--lora-rank", type=int, default=8)
     g.add_argument("--lora-alpha", type=float, default=32.0)
     g = ap.add_argument_group("crossover")
-    g.add_argument("--runs", type=int, default=4, help="runs of the plan (multiple of 4)")
+    g.add_argument("--runs", type=int, default=4,
+                   help="runs of the plan (a multiple of the conditions: 4, or 5 with --aa)")
+    g.add_argument("--aa", action="store_true",
+                   help=f"add an A/A condition ({AA_CONDITION!r}: the baseline again) to the "
+                        "crossover; its result against the baseline calibrates the intervals")
     g.add_argument("--block-steps", type=int, default=6)
     g.add_argument("--warmup", type=int, default=3)
     g.add_argument("--exclude-after-transition", type=int, default=1)
@@ -142,8 +154,10 @@ def check_args(ap, args):
     if unknown or not phases:
         bad("--phases", "must name crossover, audit and/or agreement", args.phases)
     args.phase_list = phases
-    if args.runs % len(CONDITIONS):
-        bad("--runs", f"must be a multiple of {len(CONDITIONS)} (balanced plan)", args.runs)
+    conditions = crossover_conditions(args)
+    if args.runs % len(conditions):
+        bad("--runs", f"must be a multiple of {len(conditions)} (balanced plan of "
+                      f"{', '.join(conditions)})", args.runs)
 
 
 # ---------------------------------------------------------------- data
@@ -446,7 +460,8 @@ def launch(args, argv):
             for f in os.listdir(os.path.join(ep_dir, sub)):
                 if f.endswith(".jsonl"):
                     os.remove(os.path.join(ep_dir, sub, f))
-        plan = leanstep.crossover_plan(list(CONDITIONS), args.runs, args.block_steps, args.warmup,
+        plan = leanstep.crossover_plan(list(crossover_conditions(args)), args.runs,
+                                       args.block_steps, args.warmup,
                                        exclude_after_transition=args.exclude_after_transition)
         with open(os.path.join(ep_dir, "plan.json"), "w") as f:
             json.dump(plan, f, indent=1)
@@ -552,9 +567,10 @@ def format_results(r):
                 continue
             interval = ("no interval: too few runs" if c["ci_low"] is None or c["ci_high"] is None
                         else f"[{100 * c['ci_low']:+.1f}%, {100 * c['ci_high']:+.1f}%]")
-            lines.append(f"    {c['condition']:<9} {100 * c['reduction']:+6.1f}%  {interval}  "
+            aa = "  A/A: the baseline again, 0 in truth" if c["condition"] == AA_CONDITION else ""
+            lines.append(f"    {c['condition']:<11} {100 * c['reduction']:+6.1f}%  {interval}  "
                          f"({c['independent_runs']} runs, {c['matched_positions']} matched "
-                         f"positions)")
+                         f"positions){aa}")
         if "audit" in e:
             lines.append("  audit of one step per condition (rank 0: aten ops (views), host "
                          "syncs, host reads):")
