@@ -244,22 +244,25 @@ class GradPlan:
         return out
 
 
+def _element_strides(t):
+    """Strides in elements (NumPy gives bytes)."""
+    return list(t.stride()) if is_torch(t) else [s // t.itemsize for s in t.strides]
+
+
 def _self_overlap_error(t, where, arg):
     """The error of the in-place rule (``Tensor::may_self_overlap`` in C++)."""
-    where_ = f" on {t.device}" if is_torch(t) else ""
-    strides = list(t.stride()) if is_torch(t) else [s // t.itemsize for s in t.strides]
+    device = f" on {t.device}" if is_torch(t) else ""
     return Error(f"{where}: argument '{arg}' must not overlap itself, since this op writes it in "
-                 f"place (got {dtype_name(t)}{list(t.shape)}{where_} with strides {strides}: one "
-                 f"element is reached by several indices, as after expand()); pass a view without "
-                 f"self-overlap, e.g. clone() it")
+                 f"place (got {dtype_name(t)}{list(t.shape)}{device} with strides "
+                 f"{_element_strides(t)}: one element is reached by several indices, as after "
+                 f"expand()); pass a view without self-overlap, e.g. clone() it")
 
 
 def _check_writable(tensors, where, arg):
     for i, t in enumerate(tensors):
         if t.is_contiguous() if is_torch(t) else t.flags.c_contiguous:
             continue  # a dense view never overlaps itself (the common case: no C++ call)
-        strides = tuple(t.stride()) if is_torch(t) else tuple(s // t.itemsize for s in t.strides)
-        if _leanstep.may_self_overlap(list(t.shape), list(strides)):
+        if _leanstep.may_self_overlap(list(t.shape), _element_strides(t)):
             raise _self_overlap_error(t, where, f"{arg}[{i}]")
 
 
