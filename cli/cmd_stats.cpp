@@ -31,6 +31,7 @@ struct PlanOptions {
   int64_t block_steps = 0;
   int64_t warmup = 20;
   int64_t exclude_after_transition = 2;
+  int cycles = 1;
   bool json = false;
   std::string out;
 };
@@ -114,7 +115,7 @@ void run_compare(const StepsOptions& o) {
 
 void run_plan(const PlanOptions& o) {
   const auto plan = st::plan_crossover(o.conditions, o.runs, o.block_steps, o.warmup, o.allocations,
-                                       o.exclude_after_transition);
+                                       o.exclude_after_transition, o.cycles);
   if (!o.out.empty()) st::write_plan(o.out, plan);
   if (o.json) {
     print_json_line(st::to_json(plan));
@@ -203,7 +204,8 @@ void add_stats_commands(Context& ctx) {
 
   auto plan_opts = std::make_shared<PlanOptions>();
   auto* plan = crossover->add_subcommand(
-      "plan", "A schedule: every run holds every condition once as a block, balanced over block positions and allocations");
+      "plan", "A schedule: every run holds every condition once per cycle as a block, balanced over block positions "
+              "and allocations");
   plan->add_option("--conditions", plan_opts->conditions, "Conditions, baseline first (e.g. baseline,A,B,A+B)")
       ->required()->delimiter(',');
   plan->add_option("--runs", plan_opts->runs, "Number of runs (a multiple of conditions x allocations)")
@@ -220,6 +222,11 @@ void add_stats_commands(Context& ctx) {
                    "Steps after each block transition the analysis excludes")
       ->capture_default_str()
       ->check(integer_in(0, st::kMaxPlanSteps, "2^40"));
+  plan->add_option("--cycles", plan_opts->cycles,
+                   "Times each run holds each condition (short blocks in many cycles put the conditions compared "
+                   "close together in time)")
+      ->capture_default_str()
+      ->check(integer_in(1, st::kMaxPlanCycles));
   plan->add_option("--out", plan_opts->out, "Also write the plan as JSON to this file");
   plan->add_flag("--json", plan_opts->json, "Print the plan as one JSON object");
   plan->callback([plan_opts] { run_plan(*plan_opts); });

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -32,6 +33,10 @@ struct StepRecord {
   std::optional<double> loss;        // may be non-finite (that is worth reporting)
   std::optional<double> grad_norm;
   std::string allocation;            // "" when not recorded
+  // Other numeric fields of the record, such as per-phase durations ("optimizer_s"); the
+  // crossover analysis reduces each of them as it does the step (max over ranks, paired
+  // ratios). At most kMaxStepFields per record.
+  std::map<std::string, double> fields;
   // Where the record came from ("file:line"), for messages; empty for records built in code.
   std::string origin;
 };
@@ -72,6 +77,7 @@ class StepLogWriter {
 
 // Limits of step logs: step indices in [0, 2^62], ranks and blocks in [0, 2^31 - 1].
 inline constexpr int64_t kMaxStep = int64_t{1} << 62;
+inline constexpr size_t kMaxStepFields = 64;
 // Missing steps are counted in full but listed only up to this many (a log with steps
 // 0 and 10^9 must not list 10^9 numbers).
 inline constexpr size_t kMaxListedSteps = 1000;
@@ -92,6 +98,9 @@ struct StepSeries {
   std::vector<int> block;               // per step (-1 when not recorded)
   std::vector<std::optional<double>> loss;       // mean over the ranks that logged it
   std::vector<std::optional<double>> grad_norm;  // mean over the ranks that logged it
+  // Per other numeric field, per step: the maximum over ranks; NaN when a rank of the step
+  // did not log it (the maximum is then unknown).
+  std::map<std::string, std::vector<double>> fields;
   std::string allocation;
   // What is missing, reported and never filled:
   std::vector<int64_t> missing_steps;   // gaps in [first, last] logged by no rank (the first kMaxListedSteps)
@@ -157,11 +166,12 @@ nlohmann::json to_json(const Comparison& comparison);
 inline constexpr int kMaxPlanConditions = 64;
 inline constexpr int kMaxPlanRuns = 10000;
 inline constexpr int64_t kMaxPlanSteps = int64_t{1} << 40;  // block_steps, warmup
+inline constexpr int kMaxPlanCycles = 1024;
 
 struct PlannedRun {
   std::string name;                 // "run0", "run1", ...
   std::string allocation;
-  std::vector<std::string> blocks;  // condition of each block position
+  std::vector<std::string> blocks;  // condition of each block position (conditions x cycles)
 };
 
 struct PlannedStep {
@@ -176,27 +186,30 @@ struct CrossoverPlan {
   int64_t block_steps = 0;
   int64_t warmup = 0;
   int64_t exclude_after_transition = 0;  // recommended for the analysis
+  int64_t cycles = 1;                    // times each run holds each condition
   std::string design;                    // "williams" or "cyclic latin square"
   bool carryover_balanced = false;       // each condition follows each other equally often
   std::vector<PlannedRun> runs;
 
-  // warmup + block_steps x conditions; Error when it does not fit in int64 (plans from
-  // plan_crossover / plan_from_json hold at most 2^40 + 64 x 2^40).
+  // warmup + block_steps x conditions x cycles; Error when it does not fit in int64.
   int64_t steps_per_run() const;
   // Condition and block of step position `position` (0-based) of run `run_index`.
   PlannedStep at(int run_index, int64_t position) const;
   int run_index(const std::string& run_name) const;  // -1 when absent
 };
 
-// Every run holds every condition once as a block of `block_steps` steps; each condition
-// is equally often at each block position on every allocation (so `runs` must be a
-// multiple of conditions x allocations). Williams squares (first-order carryover balance)
-// are used whenever the run count allows, else cyclic Latin squares. Throws when the
-// request cannot be balanced.
+// Every run holds every condition `cycles` times as a block of `block_steps` steps (one
+// square row per cycle); each condition is equally often at each block position on every
+// allocation (so `runs` must be a multiple of conditions x allocations). Williams squares
+// (first-order carryover balance) are used whenever the run count allows, else cyclic
+// Latin squares; across cycles the rows are shifted so the transitions between cycles
+// even out too. Short blocks in many cycles put the conditions compared close together
+// in time, inside every run: the design that resolves small effects on a drifting
+// machine (docs/stats.md). Throws when the request cannot be balanced.
 CrossoverPlan plan_crossover(const std::vector<std::string>& conditions, int runs,
                              int64_t block_steps, int64_t warmup,
                              const std::vector<std::string>& allocations = {},
-                             int64_t exclude_after_transition = 2);
+                             int64_t exclude_after_transition = 2, int cycles = 1);
 
 nlohmann::json to_json(const CrossoverPlan& plan);
 CrossoverPlan plan_from_json(const nlohmann::json& json, const std::string& name = "plan");
@@ -244,6 +257,16 @@ struct ConditionSummary {
   double mean_s = 0, median_s = 0;
 };
 
+// One other logged field (a phase's duration, say), reduced like the step: per condition
+// the median of its used values, and each condition against the baseline.
+struct FieldResult {
+  std::string field;
+  std::vector<ConditionSummary> conditions;
+  std::vector<PairResult> comparisons;  // each condition vs the baseline
+  // Used steps left out for this field: not logged by every rank, non-finite or <= 0.
+  int64_t steps_skipped = 0;
+};
+
 struct Interaction {
   std::string combined, first, second;
   double combined_vs_baseline = 0, first_vs_baseline = 0, second_vs_baseline = 0;  // reductions
@@ -260,6 +283,7 @@ struct CrossoverResult {
   std::vector<ConditionSummary> condition_summaries;
   std::vector<PairResult> comparisons;  // each vs baseline first, then every other pair
   std::vector<Interaction> interactions;
+  std::vector<FieldResult> fields;      // every other numeric field of the logs, by name
   std::vector<std::string> notes;       // missing ranks/steps, unmatched positions, ...
   std::vector<StepSeries> series;       // what was analysed (for plots)
 };

@@ -38,11 +38,11 @@ def crossover_analysis(paths, plan=None, baseline="", warmup=None):
 
 
 def crossover_plan(conditions, runs, block_steps, warmup, allocations=(),
-                   exclude_after_transition=2):
+                   exclude_after_transition=2, cycles=1):
     """A counterbalanced crossover plan (as ``leanstep crossover plan --json``):
-    every run holds every condition once as a block; Williams squares when the
-    run count allows. Write it with ``json.dump`` and pass its path to
-    :func:`crossover_analysis`."""
+    every run holds every condition ``cycles`` times as a block; Williams
+    squares when the run count allows. Write it with ``json.dump`` and pass its
+    path to :func:`crossover_analysis`."""
     return json.loads(_leanstep.stats_crossover_plan_json(
         [str(c) for c in conditions], int(runs), int(block_steps), int(warmup),
-        [str(a) for a in allocations], int(exclude_after_transition)))
+        [str(a) for a in allocations], int(exclude_after_transition), int(cycles)))

@@ -58,14 +58,14 @@ void bind_stats(nb::module_& m) {
       "stats_crossover_plan_json",
       [](const std::vector<std::string>& conditions, int runs, int64_t block_steps,
          int64_t warmup, const std::vector<std::string>& allocations,
-         int64_t exclude_after_transition) {
+         int64_t exclude_after_transition, int cycles) {
         return stats::to_json(stats::plan_crossover(conditions, runs, block_steps, warmup,
-                                                    allocations, exclude_after_transition))
+                                                    allocations, exclude_after_transition, cycles))
             .dump();
       },
       nb::arg("conditions"), nb::arg("runs"), nb::arg("block_steps"), nb::arg("warmup"),
       nb::arg("allocations") = std::vector<std::string>{},
-      nb::arg("exclude_after_transition") = 2,
+      nb::arg("exclude_after_transition") = 2, nb::arg("cycles") = 1,
       "The `leanstep crossover plan --json` of these settings (balanced, or an Error).");
 }
 

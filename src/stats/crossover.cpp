@@ -57,9 +57,9 @@ void check_names(const std::vector<std::string>& names, const char* where, const
 }  // namespace
 
 int64_t CrossoverPlan::steps_per_run() const {
-  return checked_add(warmup,
-                     checked_mul(block_steps, static_cast<int64_t>(conditions.size()), "crossover plan", "steps per run"),
-                     "crossover plan", "steps per run");
+  const int64_t blocks = checked_mul(static_cast<int64_t>(conditions.size()), cycles, "crossover plan", "blocks per run");
+  return checked_add(warmup, checked_mul(block_steps, blocks, "crossover plan", "steps per run"), "crossover plan",
+                     "steps per run");
 }
 
 PlannedStep CrossoverPlan::at(int run_index, int64_t position) const {
@@ -81,7 +81,7 @@ int CrossoverPlan::run_index(const std::string& name) const {
 
 CrossoverPlan plan_crossover(const std::vector<std::string>& conditions, int runs, int64_t block_steps,
                              int64_t warmup, const std::vector<std::string>& allocations_in,
-                             int64_t exclude_after_transition) {
+                             int64_t exclude_after_transition, int cycles) {
   const char* where = "crossover plan";
   const int k = static_cast<int>(conditions.size());
   LEANSTEP_CHECK_ARG(k >= 2, where, "conditions", fmt::format("must name at least 2 conditions (got {})", k));
@@ -104,6 +104,8 @@ CrossoverPlan plan_crossover(const std::vector<std::string>& conditions, int run
                      "exclude_after_transition",
                      fmt::format("must be in [0, block_steps = {}) (got {})", block_steps, exclude_after_transition));
   LEANSTEP_CHECK_ARG(runs >= 1, where, "runs", fmt::format("must be >= 1 (got {})", runs));
+  LEANSTEP_CHECK_ARG(cycles >= 1 && cycles <= kMaxPlanCycles, where, "cycles",
+                     fmt::format("must be in [1, {}] (got {})", kMaxPlanCycles, cycles));
   const int unit = k * a;
   if (runs % unit != 0) {
     const int lower = runs / unit * unit, upper = lower + unit;
@@ -123,16 +125,66 @@ CrossoverPlan plan_crossover(const std::vector<std::string>& conditions, int run
   plan.block_steps = block_steps;
   plan.warmup = warmup;
   plan.exclude_after_transition = exclude_after_transition;
+  plan.cycles = cycles;
   plan.design = williams ? "williams" : "cyclic latin square";
+  // Cycle c of every run uses the square's row (first row + shift[c]). A shift is the same
+  // for all runs, so every cycle is itself a set of whole squares (position balance holds
+  // block by block). The shifts are chosen one cycle at a time so that the transitions
+  // from the end of one cycle into the next, counted over all runs, even out the ordered
+  // pairs (first-order carryover) and never repeat a condition; check_balance says
+  // whether the whole plan came out exactly balanced.
+  const int num_rows = static_cast<int>(rows.size());
+  auto first_row = [&](int r) { return (r / a) % num_rows; };
+  std::vector<int> shift(static_cast<size_t>(cycles), 0);
+  std::vector<std::vector<int64_t>> follows(static_cast<size_t>(k), std::vector<int64_t>(static_cast<size_t>(k), 0));
+  for (int r = 0; r < runs; ++r) {
+    const auto& row = rows[static_cast<size_t>(first_row(r))];
+    for (int j = 0; j + 1 < k; ++j) ++follows[static_cast<size_t>(row[static_cast<size_t>(j)])][static_cast<size_t>(row[static_cast<size_t>(j + 1)])];
+  }
+  for (int c = 1; c < cycles; ++c) {
+    int best = -1;
+    std::pair<int64_t, int64_t> best_cost{0, 0};
+    for (int s = 0; s < num_rows; ++s) {
+      // Cost: the largest pair count after this cycle (within-cycle pairs included), then
+      // the sum of squares; a shift that puts one condition twice in a row is refused
+      // unless nothing else exists (k = 2 with one row has no other choice).
+      auto trial = follows;
+      bool repeats = false;
+      for (int r = 0; r < runs; ++r) {
+        const auto& prev = rows[static_cast<size_t>((first_row(r) + shift[static_cast<size_t>(c - 1)]) % num_rows)];
+        const auto& next = rows[static_cast<size_t>((first_row(r) + s) % num_rows)];
+        repeats = repeats || prev.back() == next.front();
+        ++trial[static_cast<size_t>(prev.back())][static_cast<size_t>(next.front())];
+        for (int j = 0; j + 1 < k; ++j) ++trial[static_cast<size_t>(next[static_cast<size_t>(j)])][static_cast<size_t>(next[static_cast<size_t>(j + 1)])];
+      }
+      int64_t worst = 0, squares = repeats ? INT64_MAX / 2 : 0;
+      for (int i = 0; i < k; ++i)
+        for (int j = 0; j < k; ++j)
+          if (i != j) {
+            worst = std::max(worst, trial[static_cast<size_t>(i)][static_cast<size_t>(j)]);
+            if (!repeats) squares += trial[static_cast<size_t>(i)][static_cast<size_t>(j)] * trial[static_cast<size_t>(i)][static_cast<size_t>(j)];
+          }
+      const std::pair<int64_t, int64_t> cost{repeats ? INT64_MAX / 2 : worst, squares};
+      if (best < 0 || cost < best_cost) best = s, best_cost = cost;
+    }
+    shift[static_cast<size_t>(c)] = best;
+    for (int r = 0; r < runs; ++r) {
+      const auto& prev = rows[static_cast<size_t>((first_row(r) + shift[static_cast<size_t>(c - 1)]) % num_rows)];
+      const auto& next = rows[static_cast<size_t>((first_row(r) + best) % num_rows)];
+      ++follows[static_cast<size_t>(prev.back())][static_cast<size_t>(next.front())];
+      for (int j = 0; j + 1 < k; ++j) ++follows[static_cast<size_t>(next[static_cast<size_t>(j)])][static_cast<size_t>(next[static_cast<size_t>(j + 1)])];
+    }
+  }
   for (int r = 0; r < runs; ++r) {
     // Runs alternate between allocations; on each allocation the runs walk through the
     // square's rows, so every allocation holds whole Latin squares.
     const int alloc = r % a;
-    const int row = (r / a) % static_cast<int>(rows.size());
     PlannedRun run;
     run.name = fmt::format("run{}", r);
     run.allocation = allocations[static_cast<size_t>(alloc)];
-    for (int c : rows[static_cast<size_t>(row)]) run.blocks.push_back(conditions[static_cast<size_t>(c)]);
+    for (int c = 0; c < cycles; ++c)
+      for (int cond : rows[static_cast<size_t>((first_row(r) + shift[static_cast<size_t>(c)]) % num_rows)])
+        run.blocks.push_back(conditions[static_cast<size_t>(cond)]);
     plan.runs.push_back(std::move(run));
   }
   plan.carryover_balanced = check_balance(plan).carryover_balanced;
@@ -147,22 +199,26 @@ PlanBalance check_balance(const CrossoverPlan& plan) {
   b.every_run_complete = !plan.runs.empty();
   // counts[allocation][position][condition]
   std::map<std::string, std::vector<std::vector<int64_t>>> counts;
-  std::vector<std::vector<int64_t>> overall(k, std::vector<int64_t>(k, 0));
   std::vector<std::vector<int64_t>> follows(k, std::vector<int64_t>(k, 0));
+  const size_t cycles = static_cast<size_t>(std::max<int64_t>(plan.cycles, 1));
+  const size_t blocks = k * cycles;
+  std::vector<std::vector<int64_t>> overall(blocks, std::vector<int64_t>(k, 0));
   for (const auto& run : plan.runs) {
-    std::set<std::string> seen(run.blocks.begin(), run.blocks.end());
-    bool known = run.blocks.size() == k && seen.size() == k;
-    for (const auto& c : run.blocks) known = known && index.count(c);
+    // Complete: every condition exactly `cycles` times.
+    std::map<std::string, size_t> times;
+    for (const auto& c : run.blocks) ++times[c];
+    bool known = run.blocks.size() == blocks && times.size() == k;
+    for (const auto& [c, n] : times) known = known && index.count(c) && n == cycles;
     if (!known) {
       b.every_run_complete = false;
       continue;
     }
     auto& ac = counts[run.allocation];
-    if (ac.empty()) ac.assign(k, std::vector<int64_t>(k, 0));
-    for (size_t p = 0; p < k; ++p) {
+    if (ac.empty()) ac.assign(blocks, std::vector<int64_t>(k, 0));
+    for (size_t p = 0; p < blocks; ++p) {
       ++ac[p][index[run.blocks[p]]];
       ++overall[p][index[run.blocks[p]]];
-      if (p + 1 < k) ++follows[index[run.blocks[p]]][index[run.blocks[p + 1]]];
+      if (p + 1 < blocks) ++follows[index[run.blocks[p]]][index[run.blocks[p + 1]]];
     }
   }
   auto uniform = [](const std::vector<std::vector<int64_t>>& m) {
@@ -191,6 +247,7 @@ json to_json(const CrossoverPlan& plan) {
           {"conditions", plan.conditions},
           {"allocations", plan.allocations},
           {"block_steps", plan.block_steps},
+          {"cycles", plan.cycles},
           {"warmup", plan.warmup},
           {"exclude_after_transition", plan.exclude_after_transition},
           {"steps_per_run", plan.steps_per_run()},
@@ -223,6 +280,7 @@ CrossoverPlan plan_from_json(const json& j, const std::string& name) {
     p.block_steps = integer("block_steps", std::nullopt);
     p.warmup = integer("warmup", int64_t{0});
     p.exclude_after_transition = integer("exclude_after_transition", int64_t{0});
+    p.cycles = integer("cycles", int64_t{1});
     p.design = j.value("design", std::string("custom"));
     for (const auto& r : j.at("runs")) {
       PlannedRun run;
@@ -242,16 +300,24 @@ CrossoverPlan plan_from_json(const json& j, const std::string& name) {
   if (p.warmup < 0 || p.warmup > kMaxPlanSteps) bad(fmt::format("'warmup' must be in [0, 2^40] (got {})", p.warmup));
   if (p.exclude_after_transition < 0 || p.exclude_after_transition > kMaxPlanSteps)
     bad(fmt::format("'exclude_after_transition' must be in [0, 2^40] (got {})", p.exclude_after_transition));
+  if (p.cycles < 1 || p.cycles > kMaxPlanCycles)
+    bad(fmt::format("'cycles' must be in [1, {}] (got {})", kMaxPlanCycles, p.cycles));
   if (p.runs.empty()) bad("a crossover plan needs at least one run");
   if (p.runs.size() > static_cast<size_t>(kMaxPlanRuns))
     bad(fmt::format("a crossover plan has at most {} runs (got {})", kMaxPlanRuns, p.runs.size()));
   std::set<std::string> names;
+  const std::set<std::string> conds(p.conditions.begin(), p.conditions.end());
+  if (conds.size() != p.conditions.size()) bad("a crossover plan must not name a condition twice");
   for (const auto& r : p.runs) {
     if (!names.insert(r.name).second) bad(fmt::format("run '{}' appears twice", r.name));
-    std::set<std::string> blocks(r.blocks.begin(), r.blocks.end());
-    std::set<std::string> conds(p.conditions.begin(), p.conditions.end());
-    if (r.blocks.size() != p.conditions.size() || blocks != conds)
-      bad(fmt::format("run '{}' must hold every condition exactly once as a block", r.name));
+    std::map<std::string, int64_t> times;
+    for (const auto& c : r.blocks) ++times[c];
+    bool complete = static_cast<int64_t>(r.blocks.size()) == static_cast<int64_t>(p.conditions.size()) * p.cycles;
+    for (const auto& [c, n] : times) complete = complete && conds.count(c) && n == p.cycles;
+    if (!complete || times.size() != conds.size())
+      bad(p.cycles == 1 ? fmt::format("run '{}' must hold every condition exactly once as a block", r.name)
+                        : fmt::format("run '{}' must hold every condition exactly {} times (cycles) as a block", r.name,
+                                      p.cycles));
   }
   p.carryover_balanced = check_balance(p).carryover_balanced;
   return p;
@@ -279,8 +345,9 @@ void write_plan(const std::string& path, const CrossoverPlan& plan) {
 std::string format_plan(const CrossoverPlan& plan) {
   const PlanBalance b = check_balance(plan);
   std::string out = fmt::format(
-      "{} design: {} conditions, {} runs, blocks of {} steps after {} warm-up steps ({} steps per run)\n",
-      plan.design, plan.conditions.size(), plan.runs.size(), plan.block_steps, plan.warmup, plan.steps_per_run());
+      "{} design: {} conditions, {} runs, {} cycle(s) of blocks of {} steps after {} warm-up steps ({} steps per run)\n",
+      plan.design, plan.conditions.size(), plan.runs.size(), plan.cycles, plan.block_steps, plan.warmup,
+      plan.steps_per_run());
   out += fmt::format("balanced over block positions{}: {}; first-order carryover balanced: {}\n",
                      plan.allocations.size() > 1 ? " and allocations" : "", b.positions_balanced ? "yes" : "NO",
                      b.carryover_balanced ? "yes" : "no");
@@ -291,7 +358,8 @@ std::string format_plan(const CrossoverPlan& plan) {
   std::vector<size_t> cw(plan.conditions.size(), 0);
   for (const auto& c : plan.conditions) cw[0] = std::max(cw[0], c.size());
   std::string header = fmt::format("{:<{}}  {:<{}}", "run", w, "allocation", aw);  // trailing spaces trimmed below
-  for (size_t p = 0; p < plan.conditions.size(); ++p) {
+  const size_t blocks = plan.runs.empty() ? 0 : plan.runs[0].blocks.size();
+  for (size_t p = 0; p < blocks; ++p) {
     const int64_t first = plan.warmup + static_cast<int64_t>(p) * plan.block_steps;
     header += fmt::format("  {:<{}}", fmt::format("block {} [{}-{})", p, first, first + plan.block_steps),
                           std::max(cw[0], size_t{16}));
@@ -467,9 +535,18 @@ CrossoverResult analyze_crossover(const std::vector<StepRecord>& records_in, con
     throw_arg_error(where, "baseline",
                     fmt::format("must be one of the logged conditions (got '{}')", res.baseline));
 
-  // Used steps by position, with and without the first steps after each transition.
+  // Used steps by position, with and without the first steps after each transition; the
+  // same for every other field (its own map per field name).
   PositionMap with_transitions, without_transitions;
   std::map<std::string, std::vector<double>> per_condition;
+  struct FieldSteps {
+    PositionMap with_transitions, without_transitions;
+    std::map<std::string, std::vector<double>> per_condition;
+    int64_t skipped = 0;
+  };
+  std::map<std::string, FieldSteps> field_steps;
+  for (const auto& s : res.series)
+    for (const auto& [f, values] : s.fields) field_steps[f];
   for (size_t run = 0; run < res.series.size(); ++run) {
     const StepSeries& s = res.series[run];
     std::string previous_key;
@@ -492,10 +569,24 @@ CrossoverResult analyze_crossover(const std::vector<StepRecord>& records_in, con
         continue;
       }
       const double logd = std::log(s.duration_s[i]);
+      const bool after_transition = since_block_start >= res.exclude_after_transition;
       with_transitions[pos].push_back({s.condition[i], logd, run});
-      if (since_block_start >= res.exclude_after_transition) {
+      if (after_transition) {
         without_transitions[pos].push_back({s.condition[i], logd, run});
         per_condition[s.condition[i]].push_back(s.duration_s[i]);
+      }
+      for (auto& [f, fs] : field_steps) {
+        const auto it = s.fields.find(f);
+        const double v = it == s.fields.end() ? std::nan("") : it->second[i];
+        if (!(std::isfinite(v) && v > 0)) {  // ratios need positive values
+          if (after_transition) ++fs.skipped;
+          continue;
+        }
+        fs.with_transitions[pos].push_back({s.condition[i], std::log(v), run});
+        if (after_transition) {
+          fs.without_transitions[pos].push_back({s.condition[i], std::log(v), run});
+          fs.per_condition[s.condition[i]].push_back(v);
+        }
       }
     }
     if (incomplete)
@@ -514,13 +605,14 @@ CrossoverResult analyze_crossover(const std::vector<StepRecord>& records_in, con
     res.condition_summaries.push_back(cs);
   }
 
-  auto pair = [&](const std::string& x, const std::string& y) {
+  auto pair_of = [&](const PositionMap& without, const PositionMap& with, const std::string& x,
+                     const std::string& y, bool note) {
     PairResult p;
     p.condition = x;
     p.versus = y;
     const size_t runs = res.series.size();
-    const PairedEstimate a = paired_estimate(without_transitions, x, y, runs);
-    const PairedEstimate b = paired_estimate(with_transitions, x, y, runs);
+    const PairedEstimate a = paired_estimate(without, x, y, runs);
+    const PairedEstimate b = paired_estimate(with, x, y, runs);
     const RunContrastCI ia = run_contrast_ci(a.run_contributions), ib = run_contrast_ci(b.run_contributions);
     p.geomean_ratio = std::exp(a.mean_log_ratio);
     p.reduction = 1 - p.geomean_ratio;
@@ -534,6 +626,7 @@ CrossoverResult analyze_crossover(const std::vector<StepRecord>& records_in, con
     p.ci_high_with_transitions = 1 - std::exp(ib.low);
     p.matched_positions_with_transitions = b.positions;
     p.independent_runs_with_transitions = ib.runs;
+    if (!note) return p;
     if (a.positions == 0)
       res.notes.push_back(fmt::format("'{}' and '{}' never share a step position: no paired ratio", x, y));
     else if (ia.runs < kMinIntervalRuns)
@@ -542,8 +635,33 @@ CrossoverResult analyze_crossover(const std::vector<StepRecord>& records_in, con
                                       x, y, ia.runs, kMinIntervalRuns));
     return p;
   };
+  auto pair = [&](const std::string& x, const std::string& y) {
+    return pair_of(without_transitions, with_transitions, x, y, true);
+  };
   for (const auto& c : conditions)
     if (c != res.baseline) res.comparisons.push_back(pair(c, res.baseline));
+  for (const auto& [f, fs] : field_steps) {
+    FieldResult fr;
+    fr.field = f;
+    fr.steps_skipped = fs.skipped;
+    for (const auto& c : conditions) {
+      ConditionSummary cs;
+      cs.condition = c;
+      const auto it = fs.per_condition.find(c);
+      const std::vector<double> none;
+      const auto& v = it == fs.per_condition.end() ? none : it->second;
+      cs.steps_used = static_cast<int64_t>(v.size());
+      cs.mean_s = mean_of(v);
+      cs.median_s = median_of(v);
+      fr.conditions.push_back(cs);
+    }
+    for (const auto& c : conditions)
+      if (c != res.baseline) fr.comparisons.push_back(pair_of(fs.without_transitions, fs.with_transitions, c, res.baseline, false));
+    if (fs.skipped)
+      res.notes.push_back(fmt::format("field '{}': {} used step(s) without a positive value on every rank left out",
+                                      f, fs.skipped));
+    res.fields.push_back(std::move(fr));
+  }
   std::vector<std::string> others;
   for (const auto& c : conditions)
     if (c != res.baseline) others.push_back(c);
@@ -602,6 +720,36 @@ std::string ci_text(double lo, double hi) {
 
 json number_or_null(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
 
+// A field named "..._s" holds seconds; any other is shown as a plain number.
+std::string format_value(const std::string& field, double v) {
+  if (!std::isfinite(v)) return "n/a";
+  if (field.size() > 2 && field.compare(field.size() - 2, 2, "_s") == 0) return format_seconds(v);
+  return fmt::format("{:.4g}", v);
+}
+
+json pair_json(const PairResult& p) {
+  return {{"condition", p.condition},
+          {"versus", p.versus},
+          {"reduction", number_or_null(p.reduction)},
+          {"ci_low", number_or_null(p.ci_low)},
+          {"ci_high", number_or_null(p.ci_high)},
+          {"matched_positions", p.matched_positions},
+          {"independent_runs", p.independent_runs},
+          {"independent_runs_with_transitions", p.independent_runs_with_transitions},
+          {"reduction_with_transitions", number_or_null(p.reduction_with_transitions)},
+          {"geomean_ratio", number_or_null(p.geomean_ratio)},
+          {"ci_low_with_transitions", number_or_null(p.ci_low_with_transitions)},
+          {"ci_high_with_transitions", number_or_null(p.ci_high_with_transitions)},
+          {"matched_positions_with_transitions", p.matched_positions_with_transitions}};
+}
+
+json condition_json(const ConditionSummary& c) {
+  return {{"condition", c.condition},
+          {"steps_used", c.steps_used},
+          {"mean_s", number_or_null(c.mean_s)},
+          {"median_s", number_or_null(c.median_s)}};
+}
+
 }  // namespace
 
 std::string format_crossover(const CrossoverResult& r) {
@@ -632,6 +780,27 @@ std::string format_crossover(const CrossoverResult& r) {
                        p.matched_positions, format_percent(p.reduction_with_transitions),
                        p.matched_positions_with_transitions);
   }
+  if (!r.fields.empty()) {
+    out += "\nother logged fields (per-phase durations, ...): median per condition, paired reduction vs " +
+           r.baseline + " with its 95% CI\n";
+    size_t fw = 5;
+    for (const auto& f : r.fields) fw = std::max(fw, f.field.size());
+    out += fmt::format("{:<{}}  {:<{}}  {:>12}  {:>12}  {:>10}  {:>22}  {:>5}\n", "field", fw, "condition", w,
+                       "median", "baseline", "reduction", "95% CI", "runs");
+    for (const auto& f : r.fields) {
+      double base_median = std::nan("");
+      for (const auto& c : f.conditions)
+        if (c.condition == r.baseline) base_median = c.median_s;
+      for (const auto& p : f.comparisons) {
+        double median = std::nan("");
+        for (const auto& c : f.conditions)
+          if (c.condition == p.condition) median = c.median_s;
+        out += fmt::format("{:<{}}  {:<{}}  {:>12}  {:>12}  {:>10}  {:>22}  {:>5}\n", f.field, fw, p.condition, w,
+                           format_value(f.field, median), format_value(f.field, base_median),
+                           format_percent(p.reduction), ci_text(p.ci_low, p.ci_high), p.independent_runs);
+      }
+    }
+  }
   if (!r.interactions.empty()) out += "\ninteractions (gains need not add up):\n";
   for (const auto& in : r.interactions) {
     out += fmt::format("  {}: {} vs {}; {} alone {}, {} alone {}; if independent {}\n", in.combined,
@@ -653,20 +822,15 @@ std::string format_crossover(const CrossoverResult& r) {
 
 json to_json(const CrossoverResult& r) {
   json comparisons = json::array();
-  for (const auto& p : r.comparisons)
-    comparisons.push_back({{"condition", p.condition},
-                           {"versus", p.versus},
-                           {"reduction", number_or_null(p.reduction)},
-                           {"ci_low", number_or_null(p.ci_low)},
-                           {"ci_high", number_or_null(p.ci_high)},
-                           {"matched_positions", p.matched_positions},
-                           {"independent_runs", p.independent_runs},
-                           {"independent_runs_with_transitions", p.independent_runs_with_transitions},
-                           {"reduction_with_transitions", number_or_null(p.reduction_with_transitions)},
-                           {"geomean_ratio", number_or_null(p.geomean_ratio)},
-                           {"ci_low_with_transitions", number_or_null(p.ci_low_with_transitions)},
-                           {"ci_high_with_transitions", number_or_null(p.ci_high_with_transitions)},
-                           {"matched_positions_with_transitions", p.matched_positions_with_transitions}});
+  for (const auto& p : r.comparisons) comparisons.push_back(pair_json(p));
+  json fields = json::array();
+  for (const auto& f : r.fields) {
+    json conds = json::array(), pairs = json::array();
+    for (const auto& c : f.conditions) conds.push_back(condition_json(c));
+    for (const auto& p : f.comparisons) pairs.push_back(pair_json(p));
+    fields.push_back({{"field", f.field}, {"conditions", conds}, {"comparisons", pairs},
+                      {"steps_skipped", f.steps_skipped}});
+  }
   json interactions = json::array();
   for (const auto& in : r.interactions)
     interactions.push_back({{"combined", in.combined},
@@ -679,13 +843,10 @@ json to_json(const CrossoverResult& r) {
                             {"combined_vs_second", number_or_null(in.combined_vs_second)},
                             {"independent_prediction", number_or_null(in.independent_prediction)}});
   json conditions = json::array();
-  for (const auto& c : r.condition_summaries)
-    conditions.push_back({{"condition", c.condition},
-                          {"steps_used", c.steps_used},
-                          {"mean_s", number_or_null(c.mean_s)},
-                          {"median_s", number_or_null(c.median_s)}});
+  for (const auto& c : r.condition_summaries) conditions.push_back(condition_json(c));
   return {{"baseline", r.baseline},
           {"comparisons", comparisons},
+          {"fields", fields},
           {"interactions", interactions},
           {"conditions", conditions},
           {"runs", r.num_runs},

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <tuple>
 #include <unordered_map>
@@ -134,6 +135,26 @@ bool valid_utf8(const std::string& s) {
   return true;
 }
 
+constexpr const char* kKnownKeys[] = {"run", "rank", "step", "duration_s", "condition",
+                                     "block", "loss", "grad_norm", "allocation"};
+
+bool is_known_key(const std::string& key) {
+  for (const char* k : kKnownKeys)
+    if (key == k) return true;
+  return false;
+}
+
+// The tokens Python's json writes for non-finite numbers (quoted by quote_nonfinite_tokens).
+bool is_nonfinite_token(const std::string& s) { return s == "NaN" || s == "Infinity" || s == "-Infinity"; }
+
+void add_field(StepRecord& r, const std::string& key, double value, const std::string& name, int64_t line) {
+  if (!valid_utf8(key)) fail_at(name, line, "field names must be valid UTF-8 text");
+  if (r.fields.size() >= kMaxStepFields)
+    fail_at(name, line, fmt::format("a step record holds at most {} other numeric fields (got more, at '{}')",
+                                    kMaxStepFields, short_value(key)));
+  r.fields[key] = value;
+}
+
 // Validates the fields common to both formats.
 void check_record(const StepRecord& r, const std::string& name, int64_t line) {
   if (r.rank < 0) fail_at(name, line, fmt::format("'rank' must be in [0, 2^31 - 1] (got {})", r.rank));
@@ -210,6 +231,15 @@ StepRecord parse_json_line(const std::string& text, const std::string& name, int
   if (obj.contains("loss")) r.loss = json_number(obj, "loss", name, line, true);
   if (obj.contains("grad_norm")) r.grad_norm = json_number(obj, "grad_norm", name, line, true);
   if (obj.contains("allocation")) r.allocation = json_text(obj, "allocation", name, line);
+  // Every other number is a field (a phase duration, a counter); other values are ignored.
+  for (const auto& [key, v] : obj.items()) {
+    if (is_known_key(key)) continue;
+    std::optional<double> value;
+    if (v.is_number()) value = v.get<double>();
+    else if (v.is_string() && is_nonfinite_token(v.get<std::string>())) value = nonfinite_from_text(v.get<std::string>());
+    if (!value) continue;
+    add_field(r, key, *value, name, line);
+  }
   check_record(r, name, line);
   return r;
 }
@@ -332,6 +362,13 @@ std::vector<StepRecord> parse_csv(const std::string& text, const std::string& na
     r.loss = number("loss");
     r.grad_norm = number("grad_norm");
     r.allocation = cell("allocation").value_or("");
+    // Other columns: a cell that reads as a number is a field; text cells are ignored.
+    for (size_t c = 0; c < header.size(); ++c) {
+      if (is_known_key(header[c])) continue;
+      const std::string v = trim(cells[c]);
+      double value = 0;
+      if (!v.empty() && parse_double_text(v, value)) add_field(r, header[c], value, name, line_no);
+    }
     check_record(r, name, line_no);
     out.push_back(std::move(r));
   }
@@ -368,21 +405,41 @@ std::string csv_text(const std::string& s) {
 
 constexpr const char* kCsvHeader = "run,rank,step,duration_s,condition,block,loss,grad_norm,allocation";
 
-std::string format_csv_record(const StepRecord& r) {
-  return fmt::format("{},{},{},{},{},{},{},{},{}", csv_text(r.run), r.rank, r.step, number_csv(r.duration_s),
-                     csv_text(r.condition), r.block ? std::to_string(*r.block) : "",
-                     r.loss ? number_csv(*r.loss) : "", r.grad_norm ? number_csv(*r.grad_norm) : "",
-                     csv_text(r.allocation));
+std::string format_csv_record(const StepRecord& r, const std::vector<std::string>& field_columns) {
+  std::string line = fmt::format("{},{},{},{},{},{},{},{},{}", csv_text(r.run), r.rank, r.step,
+                                 number_csv(r.duration_s), csv_text(r.condition),
+                                 r.block ? std::to_string(*r.block) : "", r.loss ? number_csv(*r.loss) : "",
+                                 r.grad_norm ? number_csv(*r.grad_norm) : "", csv_text(r.allocation));
+  for (const auto& f : field_columns) {
+    const auto it = r.fields.find(f);
+    line += "," + (it == r.fields.end() ? std::string() : number_csv(it->second));
+  }
+  return line;
 }
 
 void write_records(const std::string& path, const std::vector<StepRecord>& records, bool append) {
   const bool csv = is_csv_path(path);
   const bool needs_header = csv && (!append || !fs::exists(path) || fs::file_size(path) == 0);
+  // CSV columns are fixed by the header: the fields' columns are the union over the
+  // records, written with the header; appending fields to an existing CSV is refused
+  // rather than written under the wrong columns.
+  std::set<std::string> field_names;
+  for (const auto& r : records)
+    for (const auto& [k, v] : r.fields) field_names.insert(k);
+  if (csv && !needs_header && !field_names.empty())
+    throw Error(fmt::format("step log: cannot append records with other fields ('{}') to the existing CSV '{}' "
+                            "(its header fixes the columns); write JSON Lines or a new file",
+                            *field_names.begin(), path));
+  const std::vector<std::string> field_columns(field_names.begin(), field_names.end());
   std::FILE* f = std::fopen(path.c_str(), append ? "ab" : "wb");
   if (!f) throw Error(fmt::format("step log: cannot open '{}' for writing", path));
   std::string text;
-  if (needs_header) text += std::string(kCsvHeader) + "\n";
-  for (const auto& r : records) text += (csv ? format_csv_record(r) : format_step_record_json(r)) + "\n";
+  if (needs_header) {
+    text += kCsvHeader;
+    for (const auto& c : field_columns) text += "," + csv_text(c);
+    text += "\n";
+  }
+  for (const auto& r : records) text += (csv ? format_csv_record(r, field_columns) : format_step_record_json(r)) + "\n";
   const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
   const bool closed = std::fclose(f) == 0;
   if (!ok || !closed) throw Error(fmt::format("step log: writing '{}' failed", path));
@@ -485,6 +542,8 @@ std::string format_step_record_json(const StepRecord& r) {
   if (r.loss) s += ",\"loss\":" + number_json(*r.loss);
   if (r.grad_norm) s += ",\"grad_norm\":" + number_json(*r.grad_norm);
   if (!r.allocation.empty()) s += ",\"allocation\":" + json(r.allocation).dump();
+  for (const auto& [k, v] : r.fields)
+    if (!is_known_key(k)) s += "," + json(k).dump() + ":" + number_json(v);
   return s + "}";
 }
 

@@ -121,6 +121,9 @@ std::vector<StepSeries> build_series(const std::vector<StepRecord>& records) {
       }
     }
     if (allocation_from) s.allocation = allocation_from->allocation;
+    std::set<std::string> field_names;
+    for (const StepRecord* r : recs)
+      for (const auto& [k, v] : r->fields) field_names.insert(k);
     s.ranks.assign(ranks.begin(), ranks.end());
     s.first_step = by_step.begin()->first;
     int64_t expected = s.first_step;
@@ -176,6 +179,20 @@ std::vector<StepSeries> build_series(const std::vector<StepRecord>& records) {
       s.block.push_back(block);
       s.loss.push_back(losses.empty() ? std::nullopt : std::optional<double>(mean_of(losses)));
       s.grad_norm.push_back(grad_norms.empty() ? std::nullopt : std::optional<double>(mean_of(grad_norms)));
+      // A field's value is its maximum over ranks, like the step's: known only when every
+      // rank of the run logged it at this step.
+      for (const auto& f : field_names) {
+        double value = complete ? -INFINITY : std::nan("");
+        for (const StepRecord* r : rs) {
+          const auto it = r->fields.find(f);
+          if (it == r->fields.end() || std::isnan(it->second)) {
+            value = std::nan("");
+            break;
+          }
+          value = std::max(value, it->second);
+        }
+        s.fields[f].push_back(value);
+      }
     }
     out.push_back(std::move(s));
   }

@@ -61,6 +61,11 @@ void expect_same_record(const StepRecord& a, const StepRecord& b) {
   EXPECT_TRUE(same_double(a.loss, b.loss)) << a.origin;
   EXPECT_TRUE(same_double(a.grad_norm, b.grad_norm)) << a.origin;
   EXPECT_EQ(a.allocation, b.allocation);
+  ASSERT_EQ(a.fields.size(), b.fields.size()) << a.origin;
+  for (const auto& [k, v] : a.fields) {
+    ASSERT_TRUE(b.fields.count(k)) << k;
+    EXPECT_TRUE(same_double(v, b.fields.at(k))) << k;
+  }
 }
 
 // ---------------------------------------------------------------- reading
@@ -93,6 +98,42 @@ TEST(StatsLog, JsonLinesAllKeysAndNonFinite) {
   // A string value containing "NaN" is left alone.
   const auto named = parse_step_log("{\"run\":\"NaN run\",\"rank\":0,\"step\":0,\"duration_s\":1}", "x.jsonl", false);
   EXPECT_EQ(named[0].run, "NaN run");
+}
+
+TEST(StatsLog, OtherNumericFieldsAreKeptOthersIgnored) {
+  const std::string text =
+      "{\"rank\":0,\"step\":0,\"duration_s\":0.5,\"optimizer_s\":0.01,\"rmsnorm_s\":NaN,\"count\":3,"
+      "\"host\":\"node1\",\"flag\":true,\"list\":[1],\"obj\":{\"a\":1},\"text_nan\":\"nan\"}\n";
+  const auto rs = parse_step_log(text, "f.jsonl", false);
+  ASSERT_EQ(rs.size(), 1u);
+  EXPECT_EQ(rs[0].fields.size(), 3u);
+  EXPECT_EQ(rs[0].fields.at("optimizer_s"), 0.01);
+  EXPECT_TRUE(std::isnan(rs[0].fields.at("rmsnorm_s")));  // Python's bare NaN token
+  EXPECT_EQ(rs[0].fields.at("count"), 3);
+  EXPECT_FALSE(rs[0].fields.count("text_nan"));  // a string, not Python's token
+  const auto csv = parse_step_log("rank,step,duration_s,phase_s,host\n0,0,1,0.25,n1\n0,1,1,,n2\n", "f.csv", true);
+  ASSERT_EQ(csv.size(), 2u);
+  EXPECT_EQ(csv[0].fields.at("phase_s"), 0.25);
+  EXPECT_EQ(csv[0].fields.size(), 1u);  // the text column is not a field
+  EXPECT_TRUE(csv[1].fields.empty());   // an empty cell is "not logged"
+  std::string many = "{\"rank\":0,\"step\":0,\"duration_s\":1";
+  for (size_t i = 0; i <= kMaxStepFields; ++i) many += ",\"f" + std::to_string(i) + "\":1";
+  EXPECT_LEANSTEP_ERROR(parse_step_log(many + "}", "m.jsonl", false), "m.jsonl:1: a step record holds at most 64");
+  // Appending records with fields to a CSV whose header lacks their columns is refused.
+  TempDir dir;
+  StepRecord r = rec("a", 0, 0, 1.0);
+  write_step_log(dir.file("a.csv"), {r});
+  r.fields["phase_s"] = 0.5;
+  EXPECT_LEANSTEP_ERROR(append_step_log(dir.file("a.csv"), {r}), "cannot append records with other fields ('phase_s')");
+  // Max over ranks, unknown when a rank did not log it.
+  StepRecord r0 = rec("a", 0, 0, 1.0), r1 = rec("a", 1, 0, 1.0), r2 = rec("a", 0, 1, 1.0), r3 = rec("a", 1, 1, 1.0);
+  r0.fields["p_s"] = 0.2;
+  r1.fields["p_s"] = 0.3;
+  r2.fields["p_s"] = 0.2;
+  const auto series = build_series({r0, r1, r2, r3});
+  ASSERT_EQ(series[0].fields.at("p_s").size(), 2u);
+  EXPECT_EQ(series[0].fields.at("p_s")[0], 0.3);
+  EXPECT_TRUE(std::isnan(series[0].fields.at("p_s")[1]));
 }
 
 TEST(StatsLog, CsvReadsLikeJsonLines) {
@@ -197,14 +238,20 @@ TEST(StatsLog, WriteReadRoundTripJsonLinesAndCsv) {
     if (i % 5 != 4) r.loss = i % 7 == 0 ? std::nan("") : (i % 11 == 0 ? INFINITY : u(rng));
     if (i % 6 != 5) r.grad_norm = i % 13 == 0 ? -INFINITY : u(rng) * 1e-7;
     if (i % 4 == 0) r.allocation = "node" + std::to_string(i % 3);
+    if (i % 3 == 0) r.fields["optimizer_s"] = u(rng);
+    if (i % 9 == 0) r.fields["odd, name"] = i % 2 ? std::nan("") : u(rng);
     records.push_back(r);
   }
   TempDir dir;
   for (const std::string name : {"log.jsonl", "log.csv"}) {
     SCOPED_TRACE(name);
     const auto path = dir.file(name);
-    write_step_log(path, {records.begin(), records.begin() + 20});
-    append_step_log(path, {records.begin() + 20, records.end()});
+    if (name == "log.jsonl") {
+      write_step_log(path, {records.begin(), records.begin() + 20});
+      append_step_log(path, {records.begin() + 20, records.end()});
+    } else {  // a CSV's header fixes its columns: fields are written in one go
+      write_step_log(path, records);
+    }
     const auto back = read_step_log(path);
     ASSERT_EQ(back.size(), records.size());
     for (size_t i = 0; i < records.size(); ++i) expect_same_record(records[i], back[i]);

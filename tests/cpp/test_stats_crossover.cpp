@@ -100,6 +100,130 @@ TEST(StatsPlan, ImpossibleRequestsAreErrors) {
   EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B"}, 2, 10, 0, {"x", "x"}), "argument 'allocations' must not repeat");
 }
 
+// Counted here, independently of check_balance: every run holds every condition `cycles`
+// times, every block position holds every condition equally often, no condition follows
+// itself, and the ordered pairs' counts.
+TEST(StatsPlan, CyclesRepeatEveryConditionBalancedAtEveryBlock) {
+  for (int k = 2; k <= 6; ++k)
+    for (int squares = 1; squares <= 2; ++squares)
+      for (int cycles = 1; cycles <= 10; ++cycles) {
+        const int runs = (k % 2 ? 2 * k : k) * squares;
+        SCOPED_TRACE(::testing::Message() << k << " conditions, " << runs << " runs, " << cycles << " cycles");
+        const auto plan = plan_crossover(names(k), runs, 2, 3, {}, 0, cycles);
+        EXPECT_EQ(plan.cycles, cycles);
+        EXPECT_EQ(plan.steps_per_run(), 3 + 2 * k * cycles);
+        std::map<size_t, std::map<std::string, int>> at;
+        std::map<std::pair<std::string, std::string>, int> follows;
+        for (const auto& r : plan.runs) {
+          ASSERT_EQ(static_cast<int>(r.blocks.size()), k * cycles);
+          std::map<std::string, int> times;
+          for (size_t p = 0; p < r.blocks.size(); ++p) {
+            ++times[r.blocks[p]];
+            ++at[p][r.blocks[p]];
+            if (p + 1 < r.blocks.size()) {
+              EXPECT_NE(r.blocks[p], r.blocks[p + 1]) << r.name << " block " << p;
+              ++follows[{r.blocks[p], r.blocks[p + 1]}];
+            }
+          }
+          for (const auto& c : plan.conditions) EXPECT_EQ(times[c], cycles) << r.name << " " << c;
+          // Steps follow the blocks: warm-up runs block 0, then block_steps per block.
+          EXPECT_EQ(plan.at(plan.run_index(r.name), 3 + 2 * (k * cycles - 1) + 1).condition, r.blocks.back());
+        }
+        for (const auto& [p, counts] : at)
+          for (const auto& c : plan.conditions) EXPECT_EQ(counts.count(c) ? counts.at(c) : 0, runs / k) << p;
+        std::set<int> pair_counts;
+        for (const auto& a : plan.conditions)
+          for (const auto& b : plan.conditions)
+            if (a != b) pair_counts.insert(follows[{a, b}]);
+        const bool exact = pair_counts.size() == 1;
+        EXPECT_EQ(plan.carryover_balanced, exact);
+        const PlanBalance b = check_balance(plan);
+        EXPECT_TRUE(b.positions_balanced && b.every_run_complete);
+        EXPECT_EQ(b.carryover_balanced, exact);
+        // Even k: the shifts between cycles walk through the k - 1 transitions, so every
+        // k - 1 further cycles the ordered pairs are even again.
+        if (k % 2 == 0) {
+          EXPECT_EQ(exact, (cycles - 1) % (k - 1) == 0);
+        } else {
+          // Odd k: never more than one apart.
+          EXPECT_LE(*pair_counts.rbegin() - *pair_counts.begin(), 1 + cycles);
+        }
+      }
+}
+
+TEST(StatsPlan, CyclesInJsonAndTheirErrors) {
+  const auto plan = plan_crossover({"base", "A", "B", "C"}, 4, 2, 1, {}, 0, 4);
+  const auto back = plan_from_json(to_json(plan));
+  EXPECT_EQ(back.cycles, 4);
+  EXPECT_EQ(back.steps_per_run(), plan.steps_per_run());
+  for (size_t r = 0; r < plan.runs.size(); ++r) EXPECT_EQ(back.runs[r].blocks, plan.runs[r].blocks);
+  EXPECT_TRUE(back.carryover_balanced);
+  auto j = to_json(plan);
+  j["runs"][1]["blocks"][0] = j["runs"][1]["blocks"][1];  // one condition five times, another three
+  EXPECT_LEANSTEP_ERROR(plan_from_json(j), "run 'run1' must hold every condition exactly 4 times (cycles)");
+  j = to_json(plan);
+  j["cycles"] = 0;
+  EXPECT_LEANSTEP_ERROR(plan_from_json(j), "'cycles' must be in [1, 1024] (got 0)");
+  j.erase("cycles");  // a plan of the seed's shape: one cycle
+  EXPECT_LEANSTEP_ERROR(plan_from_json(j), "must hold every condition exactly once as a block");
+  EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B"}, 2, 2, 0, {}, 0, 0), "argument 'cycles' must be in [1, 1024] (got 0)");
+  EXPECT_LEANSTEP_ERROR(plan_crossover({"A", "B"}, 2, 2, 0, {}, 0, 1025), "argument 'cycles' must be in [1, 1024]");
+  EXPECT_NE(format_plan(plan).find("4 cycle(s) of blocks of 2 steps"), std::string::npos);
+}
+
+// Other numeric fields of the logs are reduced like the step: a phase that is 30% faster
+// under one condition while the step is not.
+TEST(StatsCrossover, OtherFieldsAreReducedLikeTheStep) {
+  std::mt19937_64 rng(test_seed());
+  std::normal_distribution<double> normal(0, 1);
+  const auto plan = plan_crossover({"base", "fast"}, 8, 2, 0, {}, 0, 4);
+  std::vector<StepRecord> records;
+  for (size_t r = 0; r < plan.runs.size(); ++r)
+    for (int64_t t = 0; t < plan.steps_per_run(); ++t)
+      for (int rank = 0; rank < 2; ++rank) {
+        const PlannedStep ps = plan.at(static_cast<int>(r), t);
+        StepRecord rec;
+        rec.run = plan.runs[r].name;
+        rec.rank = rank;
+        rec.step = t;
+        rec.condition = ps.condition;
+        rec.block = ps.block;
+        rec.duration_s = 0.1 * std::exp(0.05 * normal(rng));
+        const double phase = 0.01 * (ps.condition == "fast" ? 0.7 : 1.0) * std::exp(0.05 * normal(rng));
+        // The slower rank sets the phase's value (max over ranks): rank 1 is 10% slower.
+        rec.fields["phase_s"] = rank == 1 ? 1.1 * phase : phase;
+        if (!(r == 0 && t == 5)) rec.fields["sometimes_s"] = 0.5;  // one step lacks it
+        if (r == 1 && t == 6) rec.fields["sometimes_s"] = 0;  // and one is not positive
+        records.push_back(rec);
+      }
+  CrossoverOptions options;
+  options.plan = &plan;
+  const auto res = analyze_crossover(records, options);
+  ASSERT_EQ(res.fields.size(), 2u);
+  const FieldResult& f = res.fields[0];
+  EXPECT_EQ(f.field, "phase_s");
+  ASSERT_EQ(f.comparisons.size(), 1u);
+  const PairResult& p = f.comparisons[0];
+  EXPECT_EQ(p.condition, "fast");
+  EXPECT_EQ(p.independent_runs, 8);
+  EXPECT_NEAR(p.reduction, 0.3, 0.03);
+  EXPECT_LT(p.ci_low, 0.3);
+  EXPECT_GT(p.ci_high, 0.3);
+  EXPECT_EQ(f.steps_skipped, 0);
+  EXPECT_EQ(f.conditions[0].steps_used, 8 * 16 / 2);
+  EXPECT_GT(f.conditions[0].median_s, 0.0105);  // the max over ranks (0.011), not rank 0's
+  // The step itself: no effect (its estimate's sd is about 0.05 x sqrt(2 / 64) = 0.009).
+  EXPECT_LT(std::abs(res.comparisons[0].reduction), 0.05);
+  const FieldResult& g = res.fields[1];
+  EXPECT_EQ(g.field, "sometimes_s");
+  EXPECT_EQ(g.steps_skipped, 2);
+  EXPECT_NE(format_crossover(res).find("phase_s"), std::string::npos);
+  const auto j = to_json(res);
+  EXPECT_EQ(j["fields"][0]["field"], "phase_s");
+  EXPECT_NEAR(j["fields"][0]["comparisons"][0]["reduction"].get<double>(), p.reduction, 1e-12);
+  EXPECT_EQ(j["fields"][1]["steps_skipped"], 2);
+}
+
 TEST(StatsPlan, StepsJsonRoundTripAndValidation) {
   const auto plan = plan_crossover({"base", "A", "B", "A+B"}, 8, 5, 4, {"n0", "n1"}, 1);
   // Warm-up steps run block 0's condition; then blocks of 5.
@@ -464,11 +588,15 @@ std::vector<StepRecord> simulate(const CrossoverPlan& plan, int64_t alternate, d
     const double offset = noise.run_sd * normal(rng);
     double drift = noise.ar_sd * normal(rng);
     const auto& row = plan.runs[r].blocks;
-    const int64_t steps = plan.block_steps * static_cast<int64_t>(conditions.size());
+    // alternate > 0: the conditions of the run's first cycle every `alternate` steps over
+    // block_steps x conditions steps; else the plan itself, step by step (every cycle).
+    const int64_t steps = alternate > 0 ? plan.block_steps * static_cast<int64_t>(conditions.size())
+                                        : plan.steps_per_run();
     for (int64_t t = 0; t < steps; ++t) {
       drift = noise.ar * drift + noise.ar_sd * std::sqrt(1 - noise.ar * noise.ar) * normal(rng);
-      const int64_t block = alternate > 0 ? t / alternate : t / plan.block_steps;
-      const std::string& c = row[static_cast<size_t>(block) % row.size()];
+      const PlannedStep planned = plan.at(static_cast<int>(r), std::min(t, plan.steps_per_run() - 1));
+      const int64_t block = alternate > 0 ? t / alternate : planned.block;
+      const std::string& c = alternate > 0 ? row[static_cast<size_t>(block) % conditions.size()] : planned.condition;
       StepRecord rec;
       rec.run = plan.runs[r].name;
       rec.step = t;
@@ -489,8 +617,10 @@ struct Coverage {
 // The share of experiments whose interval holds the true reduction, the mean width and
 // the spread of the estimates (what the width should be about 2 x 1.96 times).
 Coverage calibrate(int experiments, int runs, int64_t block_steps, int64_t alternate, double effect,
-                   std::mt19937_64& rng) {
-  const auto plan = plan_crossover({"base", "fast"}, runs, block_steps, 0, {}, 0);
+                   std::mt19937_64& rng, int conditions = 2, int cycles = 1) {
+  std::vector<std::string> names = {"base", "fast"};
+  for (int c = 2; c < conditions; ++c) names.push_back("other" + std::to_string(c));
+  const auto plan = plan_crossover(names, runs, block_steps, 0, {}, 0, cycles);
   CrossoverOptions options;  // the default analysis settings
   options.exclude_after_transition = 0;
   Coverage c;
@@ -520,13 +650,16 @@ TEST(StatsCalibration, AAIntervalsHoldZeroAndAKnownEffectAtTheSameRate) {
     const char* name;
     int runs;
     int64_t block_steps, alternate;
+    int conditions = 2, cycles = 1;
   };
   for (const Setting& s : {Setting{"blocks, 4 runs (the seed's design)", 4, 20, 0},
                            Setting{"blocks, 8 runs", 8, 20, 0},
-                           Setting{"alternating every 2 steps, 24 runs", 24, 12, 2}}) {
+                           Setting{"alternating every 2 steps, 24 runs", 24, 12, 2},
+                           Setting{"the main job's plan: 4 conditions, 8 runs x 4 cycles of 2-step blocks", 8, 2,
+                                   0, 4, 4}}) {
     for (double effect : {0.0, 0.05}) {
       SCOPED_TRACE(::testing::Message() << s.name << ", effect " << effect);
-      const Coverage c = calibrate(400, s.runs, s.block_steps, s.alternate, effect, rng);
+      const Coverage c = calibrate(400, s.runs, s.block_steps, s.alternate, effect, rng, s.conditions, s.cycles);
       std::printf("[ coverage ] %s, effect %.2f: %.1f%% of 400 intervals hold it; mean width %.1f%%, "
                   "2 x 1.96 sd of the estimates %.1f%%\n",
                   s.name, effect, 100 * c.covered, 100 * c.mean_width, 100 * 2 * 1.96 * c.estimate_sd);

@@ -30,6 +30,7 @@ first microbatch hash of every rank, and writes them as JSON (``--out``).
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import json
 import math
@@ -77,22 +78,33 @@ def build_parser():
     g.add_argument("--micro-batch", type=int, default=2, help="rows per microbatch")
     g.add_argument("--microbatches", type=int, default=1,
                    help="microbatches per rank and step (gradient accumulation)")
-    g.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16",
-                   help="parameter dtype (bf16: fp32 main params in the optimizer)")
+    g.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="parameter dtype (bf16: fp32 main params in the optimizer). auto "
+                        "(default): bf16 where this CPU multiplies bf16 natively (oneDNN "
+                        "bf16 support: AVX512-BF16 / AMX), else fp32, because without it a "
+                        "bf16 matmul is emulated, tens of times slower than fp32, and the "
+                        "step would time that emulation rather than training")
     g = ap.add_argument_group("LoRA")
     g.add_argument("--targets", default=DEFAULT_TARGETS,
                    help=f"planner target list (default {DEFAULT_TARGETS})")
     g.add_argument("--lora-rank", type=int, default=8)
     g.add_argument("--lora-alpha", type=float, default=32.0)
     g = ap.add_argument_group("crossover")
-    g.add_argument("--runs", type=int, default=4,
-                   help="runs of the plan (a multiple of the conditions: 4, or 5 with --aa)")
+    g.add_argument("--runs", type=int, default=None,
+                   help="runs of the plan, a multiple of the conditions (default 8, or 10 with "
+                        "--aa: two Williams squares; each run starts from the same state)")
     g.add_argument("--aa", action="store_true",
                    help=f"add an A/A condition ({AA_CONDITION!r}: the baseline again) to the "
                         "crossover; its result against the baseline calibrates the intervals")
-    g.add_argument("--block-steps", type=int, default=6)
+    g.add_argument("--block-steps", type=int, default=2,
+                   help="steps per block (default 2: the conditions compared alternate every 2 "
+                        "steps, so paired steps are seconds apart, not minutes)")
+    g.add_argument("--cycles", type=int, default=4,
+                   help="times each run holds each condition (default 4)")
     g.add_argument("--warmup", type=int, default=3)
-    g.add_argument("--exclude-after-transition", type=int, default=1)
+    g.add_argument("--exclude-after-transition", type=int, default=0,
+                   help="steps after each block start the analysis leaves out (default 0: the "
+                        "plan balances the transitions, so their cost is part of each condition)")
     g.add_argument("--agreement-steps", type=int, default=20,
                    help="steps of the baseline and 'all' runs compared (default 20)")
     g.add_argument("--lr", type=float, default=1e-3)
@@ -111,13 +123,27 @@ def build_parser():
     return ap
 
 
+def auto_dtype():
+    """(dtype, why) for --dtype auto."""
+    import torch
+
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native = False
+    if native:
+        return "bf16", "auto: this CPU multiplies bf16 natively"
+    return "fp32", ("auto: this CPU has no native bf16 matmul (oneDNN: no AVX512-BF16/AMX), "
+                    "so bf16 steps would time emulated matmuls; --dtype bf16 forces it")
+
+
 def check_args(ap, args):
     """Every argument checked before any rank starts."""
     def bad(arg, rule, value):
         ap.error(f"argument {arg}: {rule} (got {value!r})")
 
     for name in ("nproc", "hidden", "layers", "heads", "kv_heads", "experts", "topk", "moe_ffn",
-                 "seq", "micro_batch", "microbatches", "lora_rank", "runs", "block_steps"):
+                 "seq", "micro_batch", "microbatches", "lora_rank", "block_steps", "cycles"):
         if getattr(args, name) < 1:
             bad("--" + name.replace("_", "-"), "must be >= 1", getattr(args, name))
     for name in ("warmup", "exclude_after_transition"):
@@ -144,8 +170,14 @@ def check_args(ap, args):
         bad("--corpus", f"must hold more than --seq + 1 = {args.seq + 1} bytes", args.corpus)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         bad("--out", "must be a directory (or not exist yet)", args.out)
+    if args.runs is not None and args.runs < 1:
+        bad("--runs", "must be >= 1", args.runs)
+    if args.exclude_after_transition >= args.block_steps:
+        bad("--exclude-after-transition", f"must be < --block-steps = {args.block_steps}",
+            args.exclude_after_transition)
     if args.quick:
         args.block_steps = min(args.block_steps, 2)
+        args.cycles = 1
         args.warmup = min(args.warmup, 1)
         args.exclude_after_transition = 0
         args.agreement_steps = min(args.agreement_steps, 4)
@@ -154,7 +186,12 @@ def check_args(ap, args):
     if unknown or not phases:
         bad("--phases", "must name crossover, audit and/or agreement", args.phases)
     args.phase_list = phases
+    args.dtype_reason = "as asked"
+    if args.dtype == "auto":
+        args.dtype, args.dtype_reason = auto_dtype()
     conditions = crossover_conditions(args)
+    if args.runs is None:  # two Williams squares (an odd count needs 2 per square)
+        args.runs = len(conditions) if args.quick else 2 * len(conditions)
     if args.runs % len(conditions):
         bad("--runs", f"must be a multiple of {len(conditions)} (balanced plan of "
                       f"{', '.join(conditions)})", args.runs)
@@ -203,6 +240,8 @@ class Trainer:
     def __init__(self, args, ep, rank, world):
         self.args, self.ep, self.rank, self.world = args, ep, rank, world
         self.corpus = Corpus(args.corpus, args.seq, args.seed)
+        self.timers = None  # PhaseTimers while the crossover runs
+        self.phases = {}
 
     def build(self):
         import torch
@@ -276,6 +315,11 @@ class Trainer:
             out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
             return out, partial(loss_func, b["loss_mask"])
 
+        # No garbage collection inside a timed step (Megatron's --manual-gc): a collection
+        # lands in whichever step crosses the threshold, whatever its condition.
+        gc.collect()
+        if self.timers is not None:
+            self.timers.reset()
         torch.distributed.barrier()
         start = time.perf_counter()
         self.model.zero_grad_buffer()
@@ -284,8 +328,13 @@ class Trainer:
             forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
             num_microbatches=len(batches), seq_length=a.seq, micro_batch_size=a.micro_batch,
             forward_only=False)
+        optimizer_start = time.perf_counter()
         ok, grad_norm, _ = self.optimizer.step()
-        duration = time.perf_counter() - start
+        end = time.perf_counter()
+        duration = end - start
+        self.phases = {"optimizer_s": end - optimizer_start}
+        if self.timers is not None:
+            self.phases.update(self.timers.totals())
         loss = sum(o["lm loss"] for o in out) / len(out)
         # The loss the step logs is the data-parallel mean, as Megatron reports it.
         torch.distributed.all_reduce(loss)
@@ -358,6 +407,8 @@ def run_ep(args, ep, rank, world, say):
     result = {"runs": []}
     log_path = os.path.join(out_dir, "crossover", f"steps.rank{rank}.jsonl")
     runs = plan["runs"] if "crossover" in args.phase_list else []
+    from .phases import PhaseTimers
+
     with open(log_path, "w") as log:
         for run_index, run in enumerate(runs):
             trainer.build()
@@ -367,20 +418,34 @@ def run_ep(args, ep, rank, world, say):
                 result["num_trainable_params"] = trainer.lora.num_params
                 result["num_trainable_tensors"] = trainer.lora.num_tensors
             current = None
-            for step, (condition, block) in enumerate(plan_steps(plan, run_index)):
-                if condition != current:
-                    leanstep.set_preset(PRESETS[condition])  # at a block boundary
-                    current = condition
-                duration, loss, grad_norm, ok, batch = trainer.step(step)
-                if run_index == 0 and step < 2:
-                    result.setdefault("first_microbatch_hashes", []).append(microbatch_hash(batch))
-                log.write(json.dumps({"run": run["run"], "rank": rank, "step": step,
-                                      "duration_s": duration, "condition": condition,
-                                      "block": block, "loss": loss, "grad_norm": grad_norm,
-                                      "allocation": run["allocation"]}) + "\n")
+            steps = plan_steps(plan, run_index)
+            # The phase timers wrap what install() put in place, and leave before anything
+            # else touches those attributes.
+            with PhaseTimers(trainer.model) as timers:
+                trainer.timers = timers
+                try:
+                    for step, (condition, block) in enumerate(steps):
+                        if condition != current:
+                            leanstep.set_preset(PRESETS[condition])  # at a block boundary
+                            current = condition
+                        duration, loss, grad_norm, ok, batch = trainer.step(step)
+                        if run_index == 0 and step < 2:
+                            result.setdefault("first_microbatch_hashes", []).append(
+                                microbatch_hash(batch))
+                        log.write(json.dumps({"run": run["run"], "rank": rank, "step": step,
+                                              "duration_s": duration, "condition": condition,
+                                              "block": block, "loss": loss,
+                                              "grad_norm": grad_norm,
+                                              "allocation": run["allocation"],
+                                              **trainer.phases}) + "\n")
+                finally:
+                    trainer.timers = None
             log.flush()
-            say(f"[ep {ep}] {run['run']}: {len(plan_steps(plan, run_index))} steps "
-                f"({' '.join(run['blocks'])}), last loss {loss:.4f}")
+            if run_index == 0:
+                result["timed_sites"] = timers.sites
+            say(f"[ep {ep}] {run['run']}: {len(steps)} steps in {len(run['blocks'])} blocks "
+                f"(first cycle {' '.join(run['blocks'][:len(plan['conditions'])])}), "
+                f"last loss {loss:.4f}")
 
     if not runs:
         trainer.build()
@@ -462,7 +527,8 @@ def launch(args, argv):
                     os.remove(os.path.join(ep_dir, sub, f))
         plan = leanstep.crossover_plan(list(crossover_conditions(args)), args.runs,
                                        args.block_steps, args.warmup,
-                                       exclude_after_transition=args.exclude_after_transition)
+                                       exclude_after_transition=args.exclude_after_transition,
+                                       cycles=args.cycles)
         with open(os.path.join(ep_dir, "plan.json"), "w") as f:
             json.dump(plan, f, indent=1)
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR",
@@ -522,6 +588,12 @@ def analyse(args, seconds):
             e["crossover"] = leanstep.crossover_analysis([os.path.join(ep_dir, "crossover")],
                                                          plan=os.path.join(ep_dir, "plan.json"),
                                                          baseline="baseline")
+            plan = json.load(open(os.path.join(ep_dir, "plan.json")))
+            e["design"] = {k: plan.get(k) for k in ("design", "block_steps", "cycles", "warmup",
+                                                    "exclude_after_transition",
+                                                    "carryover_balanced", "steps_per_run")}
+            e["design"]["runs"] = len(plan["runs"])
+            e["timed_sites"] = r0.get("timed_sites", {})
         if "audit" in args.phase_list:
             e["audit"] = {r: pr["audit"] for r, pr in enumerate(per_rank)}
         if "agreement" in args.phase_list:
@@ -550,7 +622,8 @@ def group_names(names):
 def format_results(r):
     lines = [f"== leanstep.megatron.train: megatron-core {r['megatron_core_version']} "
              f"(Python {r['python']}), {r['settings']['nproc']} gloo ranks, "
-             f"{r['settings']['dtype']}, {r['seconds']:.0f} s"]
+             f"{r['settings']['dtype']} ({r['settings'].get('dtype_reason', 'as asked')}), "
+             f"{r['seconds']:.0f} s"]
     for ep, e in r["ep"].items():
         lines.append(f"-- EP {ep}")
         xo = e.get("crossover", {})
@@ -571,6 +644,9 @@ def format_results(r):
             lines.append(f"    {c['condition']:<11} {100 * c['reduction']:+6.1f}%  {interval}  "
                          f"({c['independent_runs']} runs, {c['matched_positions']} matched "
                          f"positions){aa}")
+        if xo:
+            lines += format_design(e)
+            lines += format_phases(xo)
         if "audit" in e:
             lines.append("  audit of one step per condition (rank 0: aten ops (views), host "
                          "syncs, host reads):")
@@ -593,6 +669,54 @@ def format_results(r):
             lines.append(f"  rank {rank} first microbatch hashes: {' '.join(h)}")
     lines.append("(agreement over these steps does not prove long-term convergence equivalence)")
     return "\n".join(lines)
+
+
+PHASE_LABELS = {"optimizer_s": "optimizer step",
+                "grad_norm_clip_s": "grad norm + clip",
+                "rmsnorm_s": "RMSNorm fwd + bwd",
+                "moe_permute_s": "MoE permute + unpermute"}
+
+
+def half_widths(comparisons):
+    return [(c["ci_high"] - c["ci_low"]) / 2 for c in comparisons
+            if c.get("ci_low") is not None and c.get("ci_high") is not None]
+
+
+def format_design(e):
+    d = e.get("design")
+    if not d:
+        return []
+    widths = half_widths([c for c in e["crossover"].get("comparisons", [])
+                          if c.get("versus") == "baseline"])
+    resolves = (f"its intervals here are +/-{100 * max(widths):.1f}% wide at most: smaller "
+                "effects are within noise" if widths else "no intervals (too few runs)")
+    return [f"  design: {d['design']}, {d['runs']} runs x {d['cycles']} cycle(s) of "
+            f"{d['block_steps']}-step blocks after {d['warmup']} warm-up steps; carryover "
+            f"balanced: {'yes' if d['carryover_balanced'] else 'no'}; {resolves}"]
+
+
+def format_phases(xo):
+    fields = [f for f in xo.get("fields", []) if f["field"] in PHASE_LABELS]
+    if not fields:
+        return []
+    order = list(PHASE_LABELS)
+    fields.sort(key=lambda f: order.index(f["field"]))
+    lines = ["  per phase (max over ranks, summed over the step; median, paired reduction vs "
+             "baseline, 95% CI over runs):"]
+    for f in fields:
+        medians = {c["condition"]: c.get("median_s") for c in f["conditions"]}
+        base = medians.get("baseline")
+        lines.append(f"    {PHASE_LABELS[f['field']]:<24} baseline "
+                     + (f"{1e3 * base:8.2f} ms" if base is not None else "     n/a"))
+        for c in f["comparisons"]:
+            med = medians.get(c["condition"])
+            interval = ("no interval" if c["ci_low"] is None or c["ci_high"] is None
+                        else f"[{100 * c['ci_low']:+.1f}%, {100 * c['ci_high']:+.1f}%]")
+            red = "n/a" if c.get("reduction") is None else f"{100 * c['reduction']:+6.1f}%"
+            lines.append(f"      {c['condition']:<11} "
+                         + (f"{1e3 * med:8.2f} ms" if med is not None else "     n/a")
+                         + f"  {red}  {interval}")
+    return lines
 
 
 def main(argv=None):

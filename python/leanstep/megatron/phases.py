@@ -1,0 +1,221 @@
+"""Per-phase wall time of a training step, for the phases leanstep changes.
+
+    with PhaseTimers(model) as timers:
+        for step in ...:
+            timers.reset()
+            ... one training step ...
+            phases = timers.totals()   # {"grad_norm_clip_s": ..., "rmsnorm_s": ..., ...}
+
+The timers sit at the call sites, around whatever is installed there, so a
+baseline step (Megatron's own functions, or the patches switched off by the
+preset) and a leanstep step are timed by the same clocks at the same places:
+
+- ``grad_norm_clip_s``: ``get_grad_norm_fp32``, ``clip_grad_by_total_norm_fp32``,
+  ``count_zeros_fp32`` where the optimizer modules call them, and
+  ``MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan`` (unscale and
+  found_inf, with a loss scaler);
+- ``rmsnorm_s``: forward and backward of every RMSNorm module of the model
+  (``torch.nn.RMSNorm`` or leanstep's drop-in), from module hooks;
+- ``moe_permute_s``: forward and backward of ``permute``, ``unpermute`` and
+  ``sort_chunks_by_idxs`` where the token dispatchers call them.
+
+Backward time is the time from the moment autograd hands the gradient of a
+call's outputs to the moment it has the gradient of the call's inputs, taken by
+identity marks on those tensors (the same mechanism as
+``register_full_backward_hook``). A nested call (``clip_grad_norm`` inside a
+timed function, say) is counted once, by the outermost timer. The optimizer
+step as a whole is timed by the caller (:mod:`leanstep.megatron.train`).
+
+Install the timers after :func:`leanstep.megatron.install` and leave them before
+:func:`leanstep.megatron.uninstall`: they wrap the installed functions and put
+them back exactly on exit.
+"""
+
+import sys
+import time
+
+import torch
+
+from . import grad as _grad
+from . import moe as _moe
+
+GRAD_PHASE = "grad_norm_clip_s"
+RMSNORM_PHASE = "rmsnorm_s"
+MOE_PHASE = "moe_permute_s"
+PHASES = (GRAD_PHASE, RMSNORM_PHASE, MOE_PHASE)
+
+_GRAD_FUNCTIONS = ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32")
+_MOE_FUNCTIONS = ("permute", "unpermute", "sort_chunks_by_idxs")
+_MOE_CALL_SITES = ("megatron.core.transformer.moe.token_dispatcher",
+                   "megatron.core.transformer.moe.moe_utils")
+
+
+class _Mark(torch.autograd.Function):
+    """Identity on tensors; its backward calls `hook` when autograd reaches it."""
+
+    @staticmethod
+    def forward(ctx, hook, *tensors):
+        ctx.hook = hook
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hook()
+        return (None,) + grads
+
+
+def _mark(tensors, hook):
+    """`tensors` with the marks applied to those that require a gradient (the
+    others are returned as they are); None when none does."""
+    idx = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not idx or not torch.is_grad_enabled():
+        return None
+    marked = _Mark.apply(hook, *[tensors[i] for i in idx])
+    out = list(tensors)
+    for i, m in zip(idx, marked):
+        out[i] = m
+    return out
+
+
+class _BackwardSpan:
+    """One call's backward: starts when the first output gradient arrives, each
+    input gradient extends it; the time is added to the phase as it grows."""
+
+    def __init__(self, timers, phase):
+        self.timers, self.phase, self.last = timers, phase, None
+
+    def output_ready(self):
+        if self.last is None:
+            self.last = time.perf_counter()
+
+    def input_ready(self):
+        if self.last is None:  # no marked output reached (the outputs were unused)
+            return
+        now = time.perf_counter()
+        self.timers._add(self.phase, now - self.last)
+        self.last = now
+
+
+class PhaseTimers:
+    """Timers around the phases leanstep changes (module docstring)."""
+
+    def __init__(self, model=None):
+        self.model = model
+        self._totals = dict.fromkeys(PHASES, 0.0)
+        self._depth = dict.fromkeys(PHASES, 0)
+        self._restore = []  # (owner, attr, previous value)
+        self._handles = []
+        self.sites = {phase: [] for phase in PHASES}  # what is timed, for the report
+
+    # ------------------------------------------------------------ results
+
+    def reset(self):
+        for k in self._totals:
+            self._totals[k] = 0.0
+
+    def totals(self):
+        return dict(self._totals)
+
+    def _add(self, phase, seconds):
+        self._totals[phase] += seconds
+
+    # ------------------------------------------------------------ wrapping
+
+    def _timed(self, fn, phase, autograd):
+        timers = self
+
+        def timed(*args, **kwargs):
+            if timers._depth[phase]:  # nested: the outer call times it
+                return fn(*args, **kwargs)
+            span = _BackwardSpan(timers, phase) if autograd else None
+            if span is not None:
+                keys = list(kwargs)
+                marked = _mark(list(args) + [kwargs[k] for k in keys], span.input_ready)
+                if marked is not None:
+                    args = tuple(marked[:len(args)])
+                    kwargs = dict(zip(keys, marked[len(args):]))
+            timers._depth[phase] += 1
+            start = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                timers._add(phase, time.perf_counter() - start)
+                timers._depth[phase] -= 1
+            if span is not None:
+                single = isinstance(out, torch.Tensor)
+                outs = (out,) if single else out
+                if isinstance(outs, tuple):
+                    marked = _mark(outs, span.output_ready)
+                    if marked is not None:
+                        out = marked[0] if single else type(out)(marked) if type(out) is tuple \
+                            else out
+            return out
+
+        timed.__wrapped__ = fn
+        return timed
+
+    def _wrap(self, owner, attr, phase, autograd, label):
+        fn = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+        if fn is None:
+            return
+        self._restore.append((owner, attr, fn))
+        setattr(owner, attr, self._timed(fn, phase, autograd))
+        self.sites[phase].append(label)
+
+    def _wrap_functions(self, names, module_names, phase, autograd):
+        for module_name in module_names:
+            module = sys.modules.get(module_name)  # call sites that are loaded; none imported here
+            if module is None:
+                continue
+            for name in names:
+                if callable(getattr(module, name, None)):
+                    self._wrap(module, name, phase, autograd, f"{module_name}.{name}")
+
+    def _hook_norms(self, model):
+        from .. import torch as lt
+
+        for name, module in model.named_modules():
+            if not isinstance(module, (torch.nn.RMSNorm, lt.RMSNorm)):
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._norm_pre_forward))
+            self._handles.append(module.register_forward_hook(self._norm_post_forward))
+            self._handles.append(module.register_full_backward_pre_hook(self._norm_pre_backward))
+            self._handles.append(module.register_full_backward_hook(self._norm_post_backward))
+            self.sites[RMSNORM_PHASE].append(name or type(module).__name__)
+
+    def _norm_pre_forward(self, module, args):
+        module._leanstep_phase_start = time.perf_counter()
+
+    def _norm_post_forward(self, module, args, output):
+        self._add(RMSNORM_PHASE, time.perf_counter() - module._leanstep_phase_start)
+
+    def _norm_pre_backward(self, module, grad_output):
+        module._leanstep_phase_backward_start = time.perf_counter()
+
+    def _norm_post_backward(self, module, grad_input, grad_output):
+        start = getattr(module, "_leanstep_phase_backward_start", None)
+        if start is not None:
+            self._add(RMSNORM_PHASE, time.perf_counter() - start)
+            module._leanstep_phase_backward_start = None
+
+    def __enter__(self):
+        optimizer_modules = tuple(m for m in _grad.ALIAS_MODULES if m != _grad.CLIP_GRADS)
+        self._wrap_functions(_GRAD_FUNCTIONS, optimizer_modules, GRAD_PHASE, autograd=False)
+        opt = sys.modules.get(_grad.OPTIMIZER)
+        if opt is not None and hasattr(opt, "MixedPrecisionOptimizer"):
+            self._wrap(opt.MixedPrecisionOptimizer, "_unscale_main_grads_and_check_for_nan",
+                       GRAD_PHASE, False, "MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan")
+        sites = tuple(dict.fromkeys(_MOE_CALL_SITES + tuple(_moe.ALIAS_MODULES)))
+        self._wrap_functions(_MOE_FUNCTIONS, sites, MOE_PHASE, autograd=True)
+        if self.model is not None:
+            self._hook_norms(self.model)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, attr, fn in reversed(self._restore):
+            setattr(owner, attr, fn)
+        self._restore.clear()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return False
