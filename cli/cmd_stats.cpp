@@ -44,6 +44,7 @@ struct AnalyzeOptions {
   std::string baseline;
   bool json = false;
   std::string plot;
+  std::string reductions_plot;
   std::vector<std::string> interactions;
 };
 
@@ -159,12 +160,15 @@ void run_analyze(const AnalyzeOptions& o) {
                             "nothing to compare (runs must hold different conditions at the same positions)",
                             result.warmup));
   if (!o.plot.empty()) st::plot_crossover(o.plot, result);
+  if (!o.reductions_plot.empty())
+    st::plot_reductions(o.reductions_plot, result, "leanstep crossover analyze: reductions vs the baseline");
   if (o.json) {
     for (const auto& n : result.notes) std::fprintf(stderr, "leanstep: note: %s\n", n.c_str());
     print_json_line(st::to_json(result));
   } else {
     std::fputs(st::format_crossover(result).c_str(), stdout);
     if (!o.plot.empty()) std::printf("plot: %s\n", o.plot.c_str());
+    if (!o.reductions_plot.empty()) std::printf("plot: %s\n", o.reductions_plot.c_str());
   }
 }
 
@@ -246,6 +250,9 @@ void add_stats_commands(Context& ctx) {
                       "Combined condition and its parts, COMBINED=FIRST+SECOND (repeatable; names 'A+B' are found automatically)");
   analyze->add_flag("--json", analyze_opts->json, "One JSON object: {baseline, comparisons: [...], interactions, ...}");
   analyze->add_option("--plot", analyze_opts->plot, "Write an SVG plot: one panel per run, coloured by condition");
+  analyze->add_option("--reductions-plot", analyze_opts->reductions_plot,
+                      "Write an SVG chart of the reductions vs the baseline with their intervals (the step, then "
+                      "every other logged field)");
   analyze->callback([analyze_opts] { run_analyze(*analyze_opts); });
 }
 

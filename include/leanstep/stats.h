@@ -323,5 +323,8 @@ void plot_summary(const std::string& svg_path, const std::vector<StepSeries>& se
 void plot_comparison(const std::string& svg_path, const StepSeries& old_series,
                      const StepSeries& new_series, int64_t warmup);
 void plot_crossover(const std::string& svg_path, const CrossoverResult& result);
+// The paired reductions against the baseline with their intervals, one row per condition:
+// the step first, then every other field (per-phase durations), grouped.
+void plot_reductions(const std::string& svg_path, const CrossoverResult& result, const std::string& title);
 
 }  // namespace leanstep::stats

@@ -27,14 +27,19 @@ def compare_runs(old_paths, new_paths, warmup=20, window=20):
                                                    int(warmup), int(window)))
 
 
-def crossover_analysis(paths, plan=None, baseline="", warmup=None):
+def crossover_analysis(paths, plan=None, baseline="", warmup=None, plot=None,
+                       reductions_plot=None, title=""):
     """Counterbalanced crossover analysis of step logs (paired same-position
     ratios; 95% intervals over runs, the independent units: docs/stats.md).
     A comparison resting on fewer than 3 runs has ``ci_low`` / ``ci_high``
-    None."""
+    None. Every other numeric field of the logs (per-phase durations) is
+    reduced like the step (``fields``). ``plot``: an SVG of step duration per
+    run, coloured by condition; ``reductions_plot``: an SVG of the reductions
+    vs the baseline with their intervals, the step's and every field's."""
     return json.loads(_leanstep.stats_crossover_json(
         _paths(paths), os.fspath(plan) if plan else "", baseline,
-        None if warmup is None else int(warmup)))
+        None if warmup is None else int(warmup), os.fspath(plot) if plot else "",
+        os.fspath(reductions_plot) if reductions_plot else "", str(title)))
 
 
 def crossover_plan(conditions, runs, block_steps, warmup, allocations=(),

@@ -40,7 +40,8 @@ void bind_stats(nb::module_& m) {
   m.def(
       "stats_crossover_json",
       [](const std::vector<std::string>& paths, const std::string& plan_path,
-         const std::string& baseline, std::optional<int64_t> warmup) {
+         const std::string& baseline, std::optional<int64_t> warmup, const std::string& plot,
+         const std::string& reductions_plot, const std::string& title) {
         nb::gil_scoped_release release;
         stats::CrossoverOptions options;
         std::unique_ptr<stats::CrossoverPlan> plan;
@@ -50,10 +51,14 @@ void bind_stats(nb::module_& m) {
         }
         options.baseline = baseline;
         options.warmup = warmup;
-        return stats::to_json(stats::analyze_crossover(stats::read_step_logs(paths), options)).dump();
+        const auto result = stats::analyze_crossover(stats::read_step_logs(paths), options);
+        if (!plot.empty()) stats::plot_crossover(plot, result);
+        if (!reductions_plot.empty()) stats::plot_reductions(reductions_plot, result, title);
+        return stats::to_json(result).dump();
       },
       nb::arg("paths"), nb::arg("plan") = "", nb::arg("baseline") = "",
-      nb::arg("warmup").none() = nb::none());
+      nb::arg("warmup").none() = nb::none(), nb::arg("plot") = "", nb::arg("reductions_plot") = "",
+      nb::arg("title") = "");
   m.def(
       "stats_crossover_plan_json",
       [](const std::vector<std::string>& conditions, int runs, int64_t block_steps,

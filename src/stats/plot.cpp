@@ -347,3 +347,86 @@ void plot_crossover(const std::string& svg_path, const CrossoverResult& result) 
 }
 
 }  // namespace leanstep::stats
+
+namespace leanstep::stats {
+
+void plot_reductions(const std::string& svg_path, const CrossoverResult& result, const std::string& title) {
+  // One row per (quantity, condition): the step first, then every field; a dot at the paired
+  // reduction, a bar over its 95% interval (none below kMinIntervalRuns runs), zero dashed.
+  struct Row {
+    std::string group, condition;
+    double reduction, low, high;
+  };
+  std::vector<Row> rows;
+  for (const auto& p : result.comparisons)
+    if (p.versus == result.baseline) rows.push_back({"step", p.condition, p.reduction, p.ci_low, p.ci_high});
+  for (const auto& f : result.fields)
+    for (const auto& p : f.comparisons) rows.push_back({f.field, p.condition, p.reduction, p.ci_low, p.ci_high});
+  double lo = 0, hi = 0;
+  for (const auto& r : rows)
+    for (double v : {r.reduction, r.low, r.high})
+      if (std::isfinite(v)) lo = std::min(lo, v * 100), hi = std::max(hi, v * 100);
+  const double pad = std::max(1.0, (hi - lo) * 0.05);
+  lo -= pad;
+  hi += pad;
+  const double row_h = 22, top = 78, left = 250, right = 110, width = 980;
+  const double plot_w = width - left - right;
+  const double height = top + row_h * static_cast<double>(rows.size() + 1) + 40;
+  auto x_of = [&](double percent) { return left + (percent - lo) / (hi - lo) * plot_w; };
+  auto color_of = [&](const std::string& c) {
+    const auto it = std::find(result.conditions.begin(), result.conditions.end(), c);
+    return palette()[static_cast<size_t>(it - result.conditions.begin()) % palette().size()];
+  };
+  std::string svg = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" font-family=\"sans-serif\" "
+      "font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n",
+      width, height);
+  svg += fmt::format("<text x=\"12\" y=\"24\" font-size=\"15\">{}</text>\n", esc(title));
+  svg += fmt::format(
+      "<text x=\"12\" y=\"44\" fill=\"#555\">paired reduction vs '{}' (positive = faster), 95% interval over runs; "
+      "step = max over ranks</text>\n",
+      esc(result.baseline));
+  const double axis_y = top + row_h * static_cast<double>(rows.size()) + 6;
+  const auto ticks = nice_ticks(lo, hi, 8);
+  const double tick_step = ticks.size() > 1 ? ticks[1] - ticks[0] : 1;
+  for (double t : ticks) {
+    svg += fmt::format("<line x1=\"{0:.1f}\" x2=\"{0:.1f}\" y1=\"{1:.1f}\" y2=\"{2:.1f}\" stroke=\"#eee\"/>\n", x_of(t),
+                       top - 6, axis_y);
+    svg += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" fill=\"#555\">{}%</text>\n", x_of(t),
+                       axis_y + 16, tick_label(t, tick_step));
+  }
+  svg += fmt::format(
+      "<line x1=\"{0:.1f}\" x2=\"{0:.1f}\" y1=\"{1:.1f}\" y2=\"{2:.1f}\" stroke=\"#333\" stroke-dasharray=\"4 3\"/>\n",
+      x_of(0), top - 6, axis_y);
+  std::string previous;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    const double y = top + row_h * static_cast<double>(i) + row_h / 2;
+    if (r.group != previous) {
+      if (i > 0)
+        svg += fmt::format("<line x1=\"12\" x2=\"{:.0f}\" y1=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#ccc\"/>\n",
+                           width - 12, y - row_h / 2, y - row_h / 2);
+      svg += fmt::format("<text x=\"12\" y=\"{:.1f}\" font-weight=\"bold\">{}</text>\n", y + 4, esc(r.group));
+      previous = r.group;
+    }
+    const std::string color = color_of(r.condition);
+    svg += fmt::format("<text x=\"{:.0f}\" y=\"{:.1f}\" text-anchor=\"end\" fill=\"{}\">{}</text>\n", left - 8, y + 4,
+                       color, esc(r.condition));
+    const bool interval = std::isfinite(r.low) && std::isfinite(r.high);
+    if (interval)
+      svg += fmt::format("<line x1=\"{:.1f}\" x2=\"{:.1f}\" y1=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"{}\" stroke-width=\"3\"/>\n",
+                         x_of(r.low * 100), x_of(r.high * 100), y, y, color);
+    if (std::isfinite(r.reduction))
+      svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"4.5\" fill=\"{}\"/>\n", x_of(r.reduction * 100), y,
+                         color);
+    svg += fmt::format("<text x=\"{:.0f}\" y=\"{:.1f}\" fill=\"#333\">{}{}</text>\n", width - right + 8, y + 4,
+                       std::isfinite(r.reduction) ? format_percent(r.reduction) : "n/a", interval ? "" : " (no CI)");
+  }
+  svg += "</svg>\n";
+  std::FILE* f = std::fopen(svg_path.c_str(), "wb");
+  if (!f) throw Error(fmt::format("plot: cannot open '{}' for writing", svg_path));
+  const bool ok = std::fwrite(svg.data(), 1, svg.size(), f) == svg.size();
+  if (std::fclose(f) != 0 || !ok) throw Error(fmt::format("plot: writing '{}' failed", svg_path));
+}
+
+}  // namespace leanstep::stats

@@ -103,6 +103,36 @@ def test_quick_crossover_at_ep_1_and_2(tmp_path):
         # leanstep removes aten ops from the step (fewer launches on a device).
         assert audit["all"]["ops"] < audit["baseline"]["ops"]
         assert e["agreement"]["loss"]["all_finite"] and e["base_unchanged"]
+        # Every step record carries the phases; the analysis reduces each of them.
+        fields = {f["field"]: f for f in e["crossover"]["fields"]}
+        assert {"optimizer_s", "grad_norm_clip_s", "rmsnorm_s", "moe_permute_s"} <= set(fields)
+
+        def baseline_median(name):
+            f = fields[name]
+            return next(c["median_s"] for c in f["conditions"] if c["condition"] == "baseline")
+
+        step = next(c["median_s"] for c in e["crossover"]["conditions"]
+                    if c["condition"] == "baseline")
+        assert 0 < baseline_median("grad_norm_clip_s") < baseline_median("optimizer_s") < step
+        assert 0 < baseline_median("rmsnorm_s") < step and 0 < baseline_median("moe_permute_s") < step
+        assert {c["condition"] for c in fields["optimizer_s"]["comparisons"]} == \
+            {"rmsnorm", "grad", "all"}
+        # What was timed, by name: Megatron's call sites and the model's norms.
+        sites = e["timed_sites"]
+        assert any(s.endswith("optimizer.get_grad_norm_fp32") for s in sites["grad_norm_clip_s"])
+        assert any(s.endswith("token_dispatcher.permute") for s in sites["moe_permute_s"])
+        assert any("layernorm" in s for s in sites["rmsnorm_s"])
+        # The pictures: step duration per run, and the reductions with their intervals.
+        for path in e["plots"].values():
+            with open(path) as f:
+                svg = f.read()
+            assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
+        with open(e["plots"]["reductions"]) as f:
+            assert "moe_permute_s" in f.read()
+    text = main_job.format_results(r)
+    assert "per phase" in text and "grad norm + clip" in text and "MoE permute" in text
+    assert "design: williams" in text
+    assert r["settings"]["dtype"] in ("fp32", "bf16") and r["settings"]["dtype_reason"]
     # Expert adapters are split over the EP ranks: fewer trainable per rank at EP 2.
     assert r["ep"]["2"]["trainable"]["0"]["params"] < r["ep"]["1"]["trainable"]["0"]["params"]
     logs = sorted(os.listdir(tmp_path / "job" / "ep1" / "crossover"))

@@ -99,14 +99,16 @@ def build_parser():
     g.add_argument("--block-steps", type=int, default=2,
                    help="steps per block (default 2: the conditions compared alternate every 2 "
                         "steps, so paired steps are seconds apart, not minutes)")
-    g.add_argument("--cycles", type=int, default=4,
-                   help="times each run holds each condition (default 4)")
-    g.add_argument("--warmup", type=int, default=3)
+    g.add_argument("--cycles", type=int, default=3,
+                   help="times each run holds each condition (default 3; 1, 4, 7, ... balance "
+                        "the transitions exactly for 4 conditions, 3 keeps make demo within 10 "
+                        "minutes here)")
+    g.add_argument("--warmup", type=int, default=2)
     g.add_argument("--exclude-after-transition", type=int, default=0,
                    help="steps after each block start the analysis leaves out (default 0: the "
                         "plan balances the transitions, so their cost is part of each condition)")
-    g.add_argument("--agreement-steps", type=int, default=20,
-                   help="steps of the baseline and 'all' runs compared (default 20)")
+    g.add_argument("--agreement-steps", type=int, default=12,
+                   help="steps of the baseline and 'all' runs compared (default 12)")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--seed", type=int, default=1234)
     g = ap.add_argument_group("output")
@@ -316,8 +318,10 @@ class Trainer:
             return out, partial(loss_func, b["loss_mask"])
 
         # No garbage collection inside a timed step (Megatron's --manual-gc): a collection
-        # lands in whichever step crosses the threshold, whatever its condition.
-        gc.collect()
+        # lands in whichever step crosses the threshold, whatever its condition. The young
+        # generations are collected here, outside the timer; the model, optimizer and
+        # modules were frozen out of the collector when the run started (run_ep).
+        gc.collect(1)
         if self.timers is not None:
             self.timers.reset()
         torch.distributed.barrier()
@@ -421,6 +425,9 @@ def run_ep(args, ep, rank, world, say):
             steps = plan_steps(plan, run_index)
             # The phase timers wrap what install() put in place, and leave before anything
             # else touches those attributes.
+            gc.collect()
+            gc.freeze()  # everything built so far: never scanned again (0.3 s per full pass here)
+            gc.disable()
             with PhaseTimers(trainer.model) as timers:
                 trainer.timers = timers
                 try:
@@ -440,6 +447,8 @@ def run_ep(args, ep, rank, world, say):
                                               **trainer.phases}) + "\n")
                 finally:
                     trainer.timers = None
+                    gc.enable()
+                    gc.unfreeze()
             log.flush()
             if run_index == 0:
                 result["timed_sites"] = timers.sites
@@ -585,9 +594,13 @@ def analyse(args, seconds):
                                         for r, pr in enumerate(per_rank)},
         }
         if "crossover" in args.phase_list:
-            e["crossover"] = leanstep.crossover_analysis([os.path.join(ep_dir, "crossover")],
-                                                         plan=os.path.join(ep_dir, "plan.json"),
-                                                         baseline="baseline")
+            e["plots"] = {"steps": os.path.join(ep_dir, "steps.svg"),
+                          "reductions": os.path.join(ep_dir, "reductions.svg")}
+            e["crossover"] = leanstep.crossover_analysis(
+                [os.path.join(ep_dir, "crossover")], plan=os.path.join(ep_dir, "plan.json"),
+                baseline="baseline", plot=e["plots"]["steps"],
+                reductions_plot=e["plots"]["reductions"],
+                title=f"megatron-core {megatron.core.__version__}, EP {ep}: step and phases")
             plan = json.load(open(os.path.join(ep_dir, "plan.json")))
             e["design"] = {k: plan.get(k) for k in ("design", "block_steps", "cycles", "warmup",
                                                     "exclude_after_transition",
@@ -647,10 +660,14 @@ def format_results(r):
         if xo:
             lines += format_design(e)
             lines += format_phases(xo)
+            for what, path in e.get("plots", {}).items():
+                lines.append(f"  plot ({what}): {path}")
         if "audit" in e:
             lines.append("  audit of one step per condition (rank 0: aten ops (views), host "
                          "syncs, host reads):")
-        for cond, a in e.get("audit", {0: {}})[0].items():
+        # Rank 0's audit (keys are ints here, strings once read back from results.json).
+        audits = e.get("audit") or {}
+        for cond, a in audits.get(0, audits.get("0", {})).items():
             lines.append(f"    {cond:<9} {a['ops']:>6} ({a['view_ops']}) {a['syncs']:>4} "
                          f"{a['host_reads']:>4}")
         ag = e.get("agreement")

@@ -1,0 +1,134 @@
+"""Per-phase timers of the main job (leanstep.megatron.phases): what they time,
+that they time forward and backward, that a nested call counts once, that the
+gradients are unchanged, and that every wrapped attribute is restored."""
+
+import sys
+import time
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from leanstep.megatron import phases  # noqa: E402
+
+SLEEP = 0.02  # long against the timers' own cost (microseconds), short for a test
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(SLEEP)
+        return grad * ctx.scale, None
+
+
+def permute(tokens, routing_map, probs=None):
+    time.sleep(SLEEP)
+    out = _SlowBackward.apply(tokens, 2.0)
+    return out, None if probs is None else probs * 3.0, routing_map
+
+
+def unpermute(tokens):
+    return permute(tokens, None)[0]  # nested: counted once, by the outer call
+
+
+@pytest.fixture
+def fake_megatron(monkeypatch):
+    """A token-dispatcher module holding permute / unpermute, as Megatron's does."""
+    mod = types.ModuleType("megatron.core.transformer.moe.token_dispatcher")
+    mod.permute, mod.unpermute = permute, unpermute
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    return mod
+
+
+def test_forward_and_backward_of_a_wrapped_function_are_timed_and_restored(fake_megatron):
+    x = torch.randn(5, 3, requires_grad=True)
+    p = torch.randn(5, requires_grad=True)
+    with phases.PhaseTimers() as timers:
+        assert fake_megatron.permute is not permute  # wrapped at the call site
+        out, probs, _ = fake_megatron.permute(x, "map", probs=p)
+        forward = timers.totals()[phases.MOE_PHASE]
+        assert SLEEP <= forward < SLEEP + 0.5
+        (out.sum() + probs.sum()).backward()
+        both = timers.totals()[phases.MOE_PHASE]
+        # The backward's sleep lies between the outputs' and the inputs' marks.
+        assert both - forward >= SLEEP, (forward, both)
+        assert "megatron.core.transformer.moe.token_dispatcher.permute" in timers.sites[phases.MOE_PHASE]
+        timers.reset()
+        assert timers.totals() == dict.fromkeys(phases.PHASES, 0.0)
+        y = torch.randn(4, 2, requires_grad=True)
+        fake_megatron.unpermute(y)
+        nested = timers.totals()[phases.MOE_PHASE]
+        assert SLEEP <= nested < 2 * SLEEP, nested  # one sleep, counted once
+    assert fake_megatron.permute is permute and fake_megatron.unpermute is unpermute
+    # The marks change no gradient: the same values as without the timers.
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
+    assert torch.equal(p.grad, torch.full_like(p, 3.0))
+
+
+def test_outputs_that_need_no_gradient_and_no_grad_mode(fake_megatron):
+    x = torch.randn(3, 2)  # no gradient anywhere: nothing is marked
+    with phases.PhaseTimers() as timers:
+        out, probs, rm = fake_megatron.permute(x, "map")
+        assert probs is None and rm == "map" and not out.requires_grad
+        with torch.no_grad():
+            out2, _, _ = fake_megatron.permute(torch.randn(3, 2, requires_grad=True), "map")
+        assert not out2.requires_grad
+        assert timers.totals()[phases.MOE_PHASE] >= 2 * SLEEP
+
+
+def test_rmsnorm_modules_are_timed_forward_and_backward_with_the_same_gradients():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8), torch.nn.Linear(8, 8),
+                                torch.nn.RMSNorm(8))
+    x = torch.randn(6, 8)
+
+    def grads():
+        model.zero_grad()
+        model(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    before = grads()
+    with phases.PhaseTimers(model) as timers:
+        assert timers.sites[phases.RMSNORM_PHASE] == ["1", "3"]
+        inside = grads()
+        assert timers.totals()[phases.RMSNORM_PHASE] > 0
+        timers.reset()
+        with torch.no_grad():  # forward only: still timed
+            model(x)
+        assert timers.totals()[phases.RMSNORM_PHASE] > 0
+    after = grads()
+    for a, b, c in zip(before, inside, after):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    # The hooks are gone: nothing is timed any more.
+    assert not any(m._forward_hooks or m._backward_hooks for m in model.modules())
+
+
+def test_only_loaded_modules_are_touched(monkeypatch):
+    for name in list(sys.modules):
+        if name.startswith("megatron"):
+            monkeypatch.delitem(sys.modules, name)
+    with phases.PhaseTimers() as timers:
+        assert all(not sites for sites in timers.sites.values())
+    assert not any(name.startswith("megatron") for name in sys.modules)
+
+
+class _SlowNorm(torch.nn.RMSNorm):
+    def forward(self, x):
+        return _SlowBackward.apply(super().forward(x), 1.0)
+
+
+def test_an_rmsnorm_backward_is_inside_its_span():
+    norm = _SlowNorm(4)
+    x = torch.randn(3, 4, requires_grad=True)
+    with phases.PhaseTimers(norm) as timers:
+        y = norm(x)
+        forward = timers.totals()[phases.RMSNORM_PHASE]
+        assert forward < SLEEP
+        y.sum().backward()
+        assert timers.totals()[phases.RMSNORM_PHASE] - forward >= SLEEP
