@@ -15,7 +15,8 @@ preset) and a leanstep step are timed by the same clocks at the same places:
   ``MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan`` (unscale and
   found_inf, with a loss scaler);
 - ``rmsnorm_s``: forward and backward of every RMSNorm module of the model
-  (``torch.nn.RMSNorm`` or leanstep's drop-in), from module hooks;
+  (``torch.nn.RMSNorm`` or leanstep's drop-in), its ``forward`` wrapped per instance
+  (not module hooks: leanstep's RMSNorm hands a hooked module to torch);
 - ``moe_permute_s``: forward and backward of ``permute``, ``unpermute`` and
   ``sort_chunks_by_idxs`` where the token dispatchers call them.
 
@@ -48,6 +49,9 @@ _GRAD_FUNCTIONS = ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_
 _MOE_FUNCTIONS = ("permute", "unpermute", "sort_chunks_by_idxs")
 _MOE_CALL_SITES = ("megatron.core.transformer.moe.token_dispatcher",
                    "megatron.core.transformer.moe.moe_utils")
+
+
+_ABSENT = object()
 
 
 class _Mark(torch.autograd.Function):
@@ -104,7 +108,7 @@ class PhaseTimers:
         self._totals = dict.fromkeys(PHASES, 0.0)
         self._depth = dict.fromkeys(PHASES, 0)
         self._restore = []  # (owner, attr, previous value)
-        self._handles = []
+        self._restore_instance = []  # (module, its own forward attribute or _ABSENT)
         self.sites = {phase: [] for phase in PHASES}  # what is timed, for the report
 
     # ------------------------------------------------------------ results
@@ -171,32 +175,19 @@ class PhaseTimers:
                 if callable(getattr(module, name, None)):
                     self._wrap(module, name, phase, autograd, f"{module_name}.{name}")
 
-    def _hook_norms(self, model):
+    def _wrap_norms(self, model):
+        # The module's forward is wrapped per instance, not hooked: leanstep's RMSNorm
+        # hands a module with hooks to torch (a feature it does not model), so hooks
+        # would change what is timed.
         from .. import torch as lt
 
         for name, module in model.named_modules():
             if not isinstance(module, (torch.nn.RMSNorm, lt.RMSNorm)):
                 continue
-            self._handles.append(module.register_forward_pre_hook(self._norm_pre_forward))
-            self._handles.append(module.register_forward_hook(self._norm_post_forward))
-            self._handles.append(module.register_full_backward_pre_hook(self._norm_pre_backward))
-            self._handles.append(module.register_full_backward_hook(self._norm_post_backward))
+            previous = module.__dict__.get("forward", _ABSENT)
+            self._restore_instance.append((module, previous))
+            module.forward = self._timed(module.forward, RMSNORM_PHASE, autograd=True)
             self.sites[RMSNORM_PHASE].append(name or type(module).__name__)
-
-    def _norm_pre_forward(self, module, args):
-        module._leanstep_phase_start = time.perf_counter()
-
-    def _norm_post_forward(self, module, args, output):
-        self._add(RMSNORM_PHASE, time.perf_counter() - module._leanstep_phase_start)
-
-    def _norm_pre_backward(self, module, grad_output):
-        module._leanstep_phase_backward_start = time.perf_counter()
-
-    def _norm_post_backward(self, module, grad_input, grad_output):
-        start = getattr(module, "_leanstep_phase_backward_start", None)
-        if start is not None:
-            self._add(RMSNORM_PHASE, time.perf_counter() - start)
-            module._leanstep_phase_backward_start = None
 
     def __enter__(self):
         optimizer_modules = tuple(m for m in _grad.ALIAS_MODULES if m != _grad.CLIP_GRADS)
@@ -208,14 +199,17 @@ class PhaseTimers:
         sites = tuple(dict.fromkeys(_MOE_CALL_SITES + tuple(_moe.ALIAS_MODULES)))
         self._wrap_functions(_MOE_FUNCTIONS, sites, MOE_PHASE, autograd=True)
         if self.model is not None:
-            self._hook_norms(self.model)
+            self._wrap_norms(self.model)
         return self
 
     def __exit__(self, *exc):
         for owner, attr, fn in reversed(self._restore):
             setattr(owner, attr, fn)
         self._restore.clear()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        for module, previous in reversed(self._restore_instance):
+            if previous is _ABSENT:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+        self._restore_instance.clear()
         return False
