@@ -136,44 +136,49 @@ CrossoverPlan plan_crossover(const std::vector<std::string>& conditions, int run
   const int num_rows = static_cast<int>(rows.size());
   auto first_row = [&](int r) { return (r / a) % num_rows; };
   std::vector<int> shift(static_cast<size_t>(cycles), 0);
-  std::vector<std::vector<int64_t>> follows(static_cast<size_t>(k), std::vector<int64_t>(static_cast<size_t>(k), 0));
-  for (int r = 0; r < runs; ++r) {
-    const auto& row = rows[static_cast<size_t>(first_row(r))];
-    for (int j = 0; j + 1 < k; ++j) ++follows[static_cast<size_t>(row[static_cast<size_t>(j)])][static_cast<size_t>(row[static_cast<size_t>(j + 1)])];
-  }
+  using Counts = std::vector<std::vector<int64_t>>;
+  // Adds, over all runs, the ordered pairs of the cycle that uses shift `s` (its own pairs,
+  // and with `previous` >= 0 the step into it from the cycle that used shift `previous`);
+  // true when that step repeats a condition.
+  auto add_cycle = [&](Counts& counts, int previous, int s) {
+    bool repeats = false;
+    for (int r = 0; r < runs; ++r) {
+      const auto& next = rows[static_cast<size_t>((first_row(r) + s) % num_rows)];
+      if (previous >= 0) {
+        const auto& prev = rows[static_cast<size_t>((first_row(r) + previous) % num_rows)];
+        repeats = repeats || prev.back() == next.front();
+        ++counts[static_cast<size_t>(prev.back())][static_cast<size_t>(next.front())];
+      }
+      for (size_t j = 0; j + 1 < next.size(); ++j) ++counts[static_cast<size_t>(next[j])][static_cast<size_t>(next[j + 1])];
+    }
+    return repeats;
+  };
+  Counts follows(static_cast<size_t>(k), std::vector<int64_t>(static_cast<size_t>(k), 0));
+  add_cycle(follows, -1, 0);
   for (int c = 1; c < cycles; ++c) {
+    const int previous = shift[static_cast<size_t>(c - 1)];
     int best = -1;
     std::pair<int64_t, int64_t> best_cost{0, 0};
     for (int s = 0; s < num_rows; ++s) {
       // Cost: the largest pair count after this cycle (within-cycle pairs included), then
       // the sum of squares; a shift that puts one condition twice in a row is refused
       // unless nothing else exists (k = 2 with one row has no other choice).
-      auto trial = follows;
-      bool repeats = false;
-      for (int r = 0; r < runs; ++r) {
-        const auto& prev = rows[static_cast<size_t>((first_row(r) + shift[static_cast<size_t>(c - 1)]) % num_rows)];
-        const auto& next = rows[static_cast<size_t>((first_row(r) + s) % num_rows)];
-        repeats = repeats || prev.back() == next.front();
-        ++trial[static_cast<size_t>(prev.back())][static_cast<size_t>(next.front())];
-        for (int j = 0; j + 1 < k; ++j) ++trial[static_cast<size_t>(next[static_cast<size_t>(j)])][static_cast<size_t>(next[static_cast<size_t>(j + 1)])];
-      }
-      int64_t worst = 0, squares = repeats ? INT64_MAX / 2 : 0;
+      Counts trial = follows;
+      const bool repeats = add_cycle(trial, previous, s);
+      int64_t worst = 0, squares = 0;
       for (int i = 0; i < k; ++i)
         for (int j = 0; j < k; ++j)
           if (i != j) {
-            worst = std::max(worst, trial[static_cast<size_t>(i)][static_cast<size_t>(j)]);
-            if (!repeats) squares += trial[static_cast<size_t>(i)][static_cast<size_t>(j)] * trial[static_cast<size_t>(i)][static_cast<size_t>(j)];
+            const int64_t n = trial[static_cast<size_t>(i)][static_cast<size_t>(j)];
+            worst = std::max(worst, n);
+            squares += n * n;
           }
-      const std::pair<int64_t, int64_t> cost{repeats ? INT64_MAX / 2 : worst, squares};
+      const std::pair<int64_t, int64_t> cost =
+          repeats ? std::pair<int64_t, int64_t>{INT64_MAX / 2, INT64_MAX / 2} : std::pair<int64_t, int64_t>{worst, squares};
       if (best < 0 || cost < best_cost) best = s, best_cost = cost;
     }
     shift[static_cast<size_t>(c)] = best;
-    for (int r = 0; r < runs; ++r) {
-      const auto& prev = rows[static_cast<size_t>((first_row(r) + shift[static_cast<size_t>(c - 1)]) % num_rows)];
-      const auto& next = rows[static_cast<size_t>((first_row(r) + best) % num_rows)];
-      ++follows[static_cast<size_t>(prev.back())][static_cast<size_t>(next.front())];
-      for (int j = 0; j + 1 < k; ++j) ++follows[static_cast<size_t>(next[static_cast<size_t>(j)])][static_cast<size_t>(next[static_cast<size_t>(j + 1)])];
-    }
+    add_cycle(follows, previous, best);
   }
   for (int r = 0; r < runs; ++r) {
     // Runs alternate between allocations; on each allocation the runs walk through the
