@@ -2,6 +2,7 @@
 and allocate results in the framework of the inputs (torch in, torch out;
 NumPy otherwise)."""
 
+import math
 import os
 import sys
 
@@ -49,6 +50,90 @@ def view(x):
 
 def opt_view(x):
     return None if x is None else view(x)
+
+
+# ---------------------------------------------------------------- handing arrays over
+#
+# nanobind takes a torch tensor by calling its __dlpack__, which is Python code
+# (about 6 us a tensor here, more than a small kernel); torch's C exporter
+# takes 0.7 us and nanobind accepts its capsule as is. The hot entry points
+# call the extension through `native`, which hands torch tensors over that
+# way and everything else (NumPy arrays, None, numbers, strings) unchanged.
+
+_to_capsule = None
+
+
+def _exporter():
+    global _to_capsule
+    torch = torch_module()
+    if torch is None:
+        return None
+    if _to_capsule is None:
+        _to_capsule = torch.utils.dlpack.to_dlpack
+    return torch
+
+
+def export(x):
+    """What the extension receives for `x`: a DLPack capsule of a plain torch
+    tensor (or Parameter), a list of such for a list, else `x` itself."""
+    torch = _exporter()
+    if torch is None:
+        return x
+    return _export(x, torch.Tensor, torch.nn.Parameter)
+
+
+def _export(x, tensor_type, parameter_type):
+    kind = type(x)
+    if kind is tensor_type or kind is parameter_type:
+        if x.is_neg():
+            # A lazy negation (z.conj().imag, torch._neg_view): DLPack would
+            # hand over the un-negated memory, a silently wrong sign.
+            raise Error("a torch tensor with the negative bit set (a lazy negation such as "
+                        "z.conj().imag) cannot be handed to leanstep: call .resolve_neg() first")
+        return _to_capsule(x.detach() if x.requires_grad else x)
+    if kind is list or kind is tuple:
+        return [_export(v, tensor_type, parameter_type) for v in x]
+    return x
+
+
+class Native:
+    """`target` (the extension module, or an object it made), its functions
+    and methods handed torch tensors as capsules (:func:`export`). Exception
+    classes and attributes that are not callable pass through."""
+
+    def __init__(self, target):
+        object.__setattr__(self, "_target", target)
+
+    def __getattr__(self, name):
+        target = getattr(self._target, name)
+        if not callable(target) or (isinstance(target, type)
+                                    and issubclass(target, BaseException)):
+            return target
+
+        def call(*args, **kwargs):
+            torch = _exporter()
+            if torch is None:
+                return target(*args, **kwargs)
+            t, p = torch.Tensor, torch.nn.Parameter
+            try:
+                return target(*[_export(a, t, p) for a in args],
+                              **{k: _export(v, t, p) for k, v in kwargs.items()})
+            except TypeError:
+                # No overload took the arguments. A capsule is used up by the first
+                # overload that imports it, so the next overloads were not really
+                # tried: resolve again with the arrays themselves (and their names
+                # in the message, should none match).
+                return target(*args, **kwargs)
+
+        call.__name__ = call.__qualname__ = name
+        call.__doc__ = target.__doc__
+        if isinstance(self._target, type(_leanstep)):
+            object.__setattr__(self, name, call)  # a module's functions: looked up once
+        return call
+
+
+#: The extension module for calls that take tensors (see :func:`export`).
+native = Native(_leanstep)
 
 
 def dtype_name(x):
@@ -176,22 +261,22 @@ def empty(shape, dtype, like):
     "bfloat16") in the framework of `like`, on its device. CPU arrays of
     2 MiB or more come from the output pool (:func:`output_pool`), or else are
     advised as huge pages (:func:`set_huge_pages`)."""
-    shape = tuple(int(s) for s in shape)
-    torch_like = is_torch(like)
-    if torch_like and like.device.type != "cpu":
-        return torch_module().empty(shape, dtype=_torch_dtype(dtype), device=like.device)
+    shape = tuple(map(int, shape))
+    torch = torch_module()
+    torch_like = torch is not None and isinstance(like, torch.Tensor)
+    if torch_like and not like.is_cpu:
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
     if not torch_like and dtype == "bfloat16":
         raise Error("argument of dtype bfloat16 needs torch tensors (NumPy has no bfloat16)")
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * _ITEMSIZE[dtype]
+    nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+    if torch_like and nbytes < _HUGE:
+        return torch.empty(shape, dtype=getattr(torch, dtype))  # the common small output
     if nbytes >= _HUGE:
         out = _leanstep.pool_array(shape, dtype, torch_like)
         if out is not None:
             return out
     if torch_like:
-        out = torch_module().empty(shape, dtype=_torch_dtype(dtype))
+        out = torch.empty(shape, dtype=getattr(torch, dtype))
         address = out.data_ptr()
     else:
         out = np.empty(shape, dtype=_NUMPY_DTYPES[dtype])

@@ -135,6 +135,26 @@ def check_dtypes(tensors, where, names=None):
                         f"{', '.join(SUPPORTED_DTYPES)} (got {dtype_name(t)})")
 
 
+_cpu_dtypes = None  # the torch dtypes leanstep names, once torch is imported
+
+
+def _all_plain_cpu(tensors):
+    """Whether every array given is a plain torch CPU tensor (or Parameter)
+    of a supported dtype: the common call, which needs none of the checks of
+    :func:`choose_with_reason`."""
+    global _cpu_dtypes
+    torch = _torch()
+    if torch is None:
+        return False
+    if _cpu_dtypes is None:
+        _cpu_dtypes = frozenset(getattr(torch, name) for name in SUPPORTED_DTYPES)
+    plain = (torch.Tensor, torch.nn.Parameter)
+    for t in tensors:
+        if t is not None and (type(t) not in plain or not t.is_cpu or t.dtype not in _cpu_dtypes):
+            return False
+    return True
+
+
 def choose(tensors, backend, where, names=None, *, triton=False):
     """The backend for a call over `tensors`: "cpu" for plain CPU tensors,
     "triton" for cuda/xpu/npu tensors when the op has Triton kernels
@@ -147,6 +167,8 @@ def choose_with_reason(tensors, backend, where, names=None, *, triton=False):
     """(:func:`choose`'s backend, why it was chosen). `triton`: the op's
     Triton family ("grad", "rmsnorm", "moe"), or False for an op without
     Triton kernels."""
+    if backend is None and _all_plain_cpu(tensors):
+        return "cpu", "CPU tensors"  # what the checks below conclude, without their cost
     if backend is not None and backend not in BACKENDS:
         raise Error(f"{where}: argument 'backend' must be one of {', '.join(BACKENDS)} or None "
                     f"(got {backend!r})")

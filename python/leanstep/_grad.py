@@ -12,7 +12,7 @@ import numbers
 
 from . import _backend, _leanstep
 from ._leanstep import Error
-from ._arrays import dtype_name, is_torch, torch_module, view, zeros
+from ._arrays import Native, dtype_name, is_torch, native, torch_module, view, zeros
 
 __all__ = ["GradPlan", "multi_tensor_scale", "build_ddp_buffers", "ddp_grad_buffers", "model_params"]
 
@@ -85,7 +85,7 @@ class GradPlan:
                 self._torch_plan = TorchGradPlan(self._grads, device)
             self._core = self._torch_plan.core
         else:
-            self._core = _leanstep.GradPlanCore(self._grads, self._buffers)
+            self._core = Native(native.GradPlanCore(self._grads, self._buffers))
         self._fingerprint = _fingerprint(self._grads) if is_torch(self._like) else None
 
     # -- what the plan found
@@ -332,9 +332,11 @@ def multi_tensor_scale(src_list, dst_list, scale, *, found_inf=None, backend=Non
     found_inf = _scalar("float32", like) if found_inf is None else view(found_inf)
     _backend.record("grad.multi_tensor_scale", "cpu", "cpu")
     if isinstance(scale, numbers.Real):
+        # Not through `native`: the array overload, tried first, would use up the
+        # lists' capsules before it refuses the float.
         _leanstep.grad_multi_tensor_scale(src, dst, float(scale), found_inf)
     else:
-        _leanstep.grad_multi_tensor_scale(src, dst, view(scale), found_inf)
+        native.grad_multi_tensor_scale(src, dst, view(scale), found_inf)
     return found_inf
 
 

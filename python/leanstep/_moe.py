@@ -19,7 +19,7 @@ forces the torch-op backend on CPU tensors, "triton" the Triton kernels
 """
 
 from . import _backend, _leanstep
-from ._arrays import dtype_name, empty, is_torch, opt_view, result, view
+from ._arrays import dtype_name, empty, is_torch, native, opt_view, result, view
 from ._leanstep import Error
 
 __all__ = [
@@ -111,11 +111,11 @@ def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_p
                                            drop_and_pad, (method or "fused"))
     if num_out_tokens is not None:
         num_out_tokens = int(num_out_tokens)
-    rows = _leanstep.moe_permute_output_rows(routing_map, num_out_tokens, drop_and_pad)
+    rows = native.moe_permute_output_rows(routing_map, num_out_tokens, drop_and_pad)
     permuted = empty((rows,) + tuple(tokens.shape[1:]), dtype_name(tokens), tokens)
     permuted_probs = None if probs is None else empty((rows,), dtype_name(probs), tokens)
     sorted_indices = empty((rows,), "int64", tokens)
-    _leanstep.moe_permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad,
+    native.moe_permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad,
                           _cpu_method(method), permuted, permuted_probs, sorted_indices)
     return permuted, permuted_probs, sorted_indices
 
@@ -137,7 +137,7 @@ def moe_unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_m
                                                         probs, routing_map, drop_and_pad),
                      "moe_unpermute")
     out = result(tuple(restore_shape), dtype_name(permuted), permuted, out, "moe_unpermute", "out")
-    _leanstep.moe_unpermute(permuted, sorted_indices, out, probs, routing_map, drop_and_pad,
+    native.moe_unpermute(permuted, sorted_indices, out, probs, routing_map, drop_and_pad,
                             _cpu_method(method))
     return out
 
@@ -151,7 +151,7 @@ def moe_permute_backward(dpermuted, sorted_indices, num_tokens, method=None, *, 
         _check_method(method, "permute_backward")
         return _device_moe(chosen).permute_backward(dpermuted, sorted_indices, num_tokens)
     dtokens = empty((num_tokens, dpermuted.shape[-1]), dtype_name(dpermuted), dpermuted)
-    _leanstep.moe_permute_backward(dpermuted, sorted_indices, dtokens, _cpu_method(method))
+    native.moe_permute_backward(dpermuted, sorted_indices, dtokens, _cpu_method(method))
     return dtokens
 
 
@@ -166,7 +166,7 @@ def moe_permute_probs_backward(dpermuted_probs, sorted_indices, routing_map, dro
         return _torch_moe().permute_probs_backward(dpermuted_probs, sorted_indices, routing_map,
                                                    drop_and_pad)
     dprobs = empty(tuple(routing_map.shape), dtype_name(dpermuted_probs), dpermuted_probs)
-    _leanstep.moe_permute_probs_backward(dpermuted_probs, sorted_indices, routing_map,
+    native.moe_permute_probs_backward(dpermuted_probs, sorted_indices, routing_map,
                                          drop_and_pad, dprobs)
     return dprobs
 
@@ -184,7 +184,7 @@ def moe_unpermute_backward(dout, permuted, sorted_indices, probs=None, routing_m
                                                drop_and_pad)
     dpermuted = empty(tuple(permuted.shape), dtype_name(permuted), permuted)
     dprobs = None if probs is None else empty(tuple(probs.shape), dtype_name(probs), probs)
-    _leanstep.moe_unpermute_backward(dout, permuted, sorted_indices, probs, routing_map,
+    native.moe_unpermute_backward(dout, permuted, sorted_indices, probs, routing_map,
                                      drop_and_pad, _cpu_method(method), dpermuted, dprobs)
     return dpermuted, dprobs
 
@@ -207,7 +207,7 @@ def moe_route(logits, topk, score_function="softmax", pre_softmax=False, normali
     routing_map = empty((num_tokens, num_experts), "bool", logits)
     probs = empty((num_tokens, num_experts), "float32", logits)
     tokens_per_expert = empty((num_experts,), "int64", logits)
-    _leanstep.moe_route(logits, int(topk), score_function, pre_softmax, normalize,
+    native.moe_route(logits, int(topk), score_function, pre_softmax, normalize,
                         scaling_factor, capacity_factor, drop_policy, pad_to_capacity,
                         expert_bias, routing_map=routing_map, probs=probs,
                         tokens_per_expert=tokens_per_expert)
@@ -225,7 +225,7 @@ def pad_routing_map(routing_map, multiple, *, out=None, backend=None):
         return _torch_moe().pad_routing_map(routing_map, multiple, out)
     out = result(tuple(routing_map.shape), dtype_name(routing_map), routing_map, out,
                  "pad_routing_map", "out")
-    _leanstep.moe_pad_routing_map(routing_map, int(multiple), out)
+    native.moe_pad_routing_map(routing_map, int(multiple), out)
     return out
 
 
@@ -241,6 +241,6 @@ def sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs=None, *, backend=N
         return _torch_moe().sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs)
     out = empty(tuple(rows.shape), dtype_name(rows), rows)
     out_probs = None if probs is None else empty(tuple(probs.shape), dtype_name(probs), probs)
-    _leanstep.moe_sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, out, probs, out_probs)
+    native.moe_sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, out, probs, out_probs)
     return out, out_probs
 

@@ -6,8 +6,8 @@
     g    = weight, or 1 + weight with zero_centered_gamma
 """
 
-from . import _backend, _leanstep
-from ._arrays import dtype_name, result, view
+from . import _backend
+from ._arrays import dtype_name, native, result, view
 
 __all__ = ["rms_norm", "rms_norm_backward"]
 
@@ -38,10 +38,10 @@ def rms_norm(x, weight, eps, zero_centered_gamma=False, rounding="scale_then_cas
     rstd = result(x.shape[:-1], "float32", x, rstd_out, "rms_norm", "rstd_out")
     _backend.record("rmsnorm.forward", "cpu", "cpu")
     if impl is None:  # the dispatch registry chooses (preset, guards, counts)
-        _leanstep.rmsnorm_forward_routed(x, weight, y, rstd, float(eps), zero_centered_gamma,
+        native.rmsnorm_forward_routed(x, weight, y, rstd, float(eps), zero_centered_gamma,
                                          rounding, weight_requires_grad=False)
     else:
-        _leanstep.rmsnorm_forward(x, weight, y, rstd, float(eps), zero_centered_gamma, rounding,
+        native.rmsnorm_forward(x, weight, y, rstd, float(eps), zero_centered_gamma, rounding,
                                   impl)
     return y, rstd
 
@@ -75,10 +75,10 @@ def rms_norm_backward(dy, x, rstd, weight, zero_centered_gamma=False, weight_req
                          "rms_norm_backward", "dweight_out")
     # eps only enters through rstd, which the forward saved.
     if impl is None:  # the dispatch registry chooses (the frozen path when dweight is None)
-        _leanstep.rmsnorm_backward_routed(dy, x, rstd, weight, dx, dweight, 0.0,
+        native.rmsnorm_backward_routed(dy, x, rstd, weight, dx, dweight, 0.0,
                                           zero_centered_gamma,
                                           weight_requires_grad=bool(weight_requires_grad))
     else:
-        _leanstep.rmsnorm_backward(dy, x, rstd, weight, dx, dweight, 0.0, zero_centered_gamma,
+        native.rmsnorm_backward(dy, x, rstd, weight, dx, dweight, 0.0, zero_centered_gamma,
                                    impl)
     return dx, dweight

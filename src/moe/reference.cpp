@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -107,10 +108,23 @@ void unpermute_backward_row(const UnpermuteBackwardProblem& p, int64_t i, float*
     if (p.dslot_probs) p.dslot_probs[i] = 0.0;
     return;
   }
+  const char* dout_row = p.dout + static_cast<size_t>(t * p.H) * elem;
+  if (!p.slot_probs && !p.dslot_probs) {
+    // A gather: the row times exactly 1 is the row (a bit copy, as torch's index_select).
+    std::memcpy(drow, dout_row, static_cast<size_t>(p.H) * elem);
+    return;
+  }
   const float prob = p.slot_probs ? p.slot_probs[i] : 1.0f;
+  if (!p.dslot_probs && p.dtype == DType::kFloat32) {
+    // fp32 needs no conversion: scale straight into the output row (the same products).
+    const float* dy = reinterpret_cast<const float*>(dout_row);
+    float* out = reinterpret_cast<float*>(drow);
+    for (int64_t h = 0; h < p.H; ++h) out[h] = dy[h] * prob;
+    return;
+  }
   float* dy = scratch;
   float* x = scratch + p.H;
-  convert_to_f32(p.dout + static_cast<size_t>(t * p.H) * elem, p.dtype, dy, p.H);
+  convert_to_f32(dout_row, p.dtype, dy, p.H);
   if (p.dslot_probs) {
     convert_to_f32(p.permuted + static_cast<size_t>(i * p.H) * elem, p.dtype, x, p.H);
     double dot = 0.0;

@@ -57,3 +57,20 @@ def torch_gen(rng):
 def pytest_runtest_makereport(item, call):
     if call.when == "call" and call.excinfo is not None:
         item.add_report_section("call", "seed", f"LEANSTEP_TEST_SEED={SEED}")
+
+
+@pytest.fixture(autouse=True)
+def _moe_cpu_kernels(request, monkeypatch):
+    """The Megatron MoE patches hand CPU calls back to Megatron by default
+    (leanstep.megatron.moe.cpu_kernels); the tests run leanstep's kernels through
+    them, in this process and in the workers it starts, unless a test is marked
+    ``moe_cpu_default``."""
+    if request.node.get_closest_marker("moe_cpu_default") is None:
+        monkeypatch.setenv("LEANSTEP_MEGATRON_MOE_CPU", "leanstep")
+    else:
+        monkeypatch.delenv("LEANSTEP_MEGATRON_MOE_CPU", raising=False)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "moe_cpu_default: run with the MoE patches' CPU default "
+                                       "(Megatron's own functions)")

@@ -340,6 +340,45 @@ def test_permute_unpermute_match_megatron(dtype, drop_and_pad, patched, torch_ge
     assert calls["permute"]["leanstep"] == 1 and calls["unpermute"]["leanstep"] == 1
 
 
+@pytest.mark.moe_cpu_default
+def test_cpu_calls_go_to_megatron_by_default(patched, torch_gen, monkeypatch):
+    from leanstep.megatron import moe as moe_patches
+
+    assert moe_patches.cpu_kernels() is False  # the default, with the environment unset
+    T, E, k, H = 16, 4, 2, 8
+    routing_map, probs = routing(T, E, k, torch_gen)
+    num_out = int(routing_map.sum())
+    tokens = randn((T, H), torch.float32, torch_gen)
+    leanstep.reset_paths()
+    ours = token_dispatcher.permute(tokens, routing_map, probs, num_out)
+    theirs = ORIGINALS["permute"](tokens, routing_map, probs, num_out)
+    for a, b in zip(ours, theirs):
+        assert (a is None and b is None) or torch.equal(a, b)
+    token_dispatcher.unpermute(ours[0], ours[2], tokens.shape, routing_map=routing_map)
+    split = torch.tensor([num_out // 2, num_out - num_out // 2])
+    token_dispatcher.sort_chunks_by_idxs(ours[0], split, torch.tensor([1, 0]))
+    calls = lm.report()["calls"]
+    for name in ("permute", "unpermute", "sort_chunks_by_idxs"):
+        assert calls[name]["leanstep"] == 0, name
+        assert calls[name]["delegated"] == {moe_patches.CPU_DELEGATED: 1}, name
+
+    # Switched on (by the call, then by the environment): leanstep's kernels run.
+    assert moe_patches.cpu_kernels(True) is False
+    try:
+        token_dispatcher.permute(tokens, routing_map, probs, num_out)
+        assert lm.report()["calls"]["permute"]["leanstep"] == 1
+        with pytest.raises(TypeError, match="'enabled' must be True, False or None"):
+            moe_patches.cpu_kernels("yes")
+    finally:
+        moe_patches.cpu_kernels(False)
+    moe_patches._cpu_kernels = None  # back to the environment
+    monkeypatch.setenv("LEANSTEP_MEGATRON_MOE_CPU", "leanstep")
+    assert moe_patches.cpu_kernels() is True
+    monkeypatch.setenv("LEANSTEP_MEGATRON_MOE_CPU", "fast")
+    with pytest.raises(leanstep.Error, match="LEANSTEP_MEGATRON_MOE_CPU must be 'megatron'"):
+        token_dispatcher.permute(tokens, routing_map, probs, num_out)
+
+
 def test_fused_requests_are_delegated(patched, torch_gen):
     routing_map, probs = routing(8, 4, 2, torch_gen)
     with pytest.raises(ValueError, match="fused_permute is not available"):

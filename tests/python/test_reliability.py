@@ -304,3 +304,36 @@ def test_unsupported_numpy_dtypes_name_the_argument():
     with pytest.raises(leanstep.Error, match=r"rms_norm: argument 'x' must have one of the "
                                              r"dtypes .* \(got uint16\)"):
         leanstep.rms_norm(np.zeros((2, 4), np.uint16), np.ones(4, np.float32), 1e-6)
+
+
+# ---------------------------------------------------------------- 11: lazily negated tensors
+
+
+def test_lazily_negated_tensors_are_refused_not_read_unnegated(torch_gen):
+    # z.conj().imag is a real tensor whose negation is only a flag: DLPack would hand
+    # over the memory without it, a silently wrong sign.
+    z = torch.randn(4, 8, dtype=torch.complex64, generator=torch_gen)
+    x = z.conj().imag
+    assert x.is_neg()
+    w = torch.ones(8)
+    with pytest.raises(leanstep.Error, match="negative bit set.*resolve_neg"):
+        leanstep.rms_norm(x, w, 1e-6)
+    y, _ = leanstep.rms_norm(x.resolve_neg(), w, 1e-6)
+    expected = torch.nn.functional.rms_norm(-z.imag, (8,), w, 1e-6)
+    torch.testing.assert_close(y, expected, rtol=2**-20, atol=0)
+
+
+def test_arrays_reach_the_extension_the_same_way_as_by_dlpack(torch_gen):
+    from leanstep._arrays import export
+
+    t = torch.randn(3, 5, generator=torch_gen, requires_grad=True)
+    capsule = export(t)  # detached: autograd's tensors are handed over as their storage
+    assert type(capsule).__name__ == "PyCapsule"
+    assert torch.equal(torch.from_dlpack(capsule), t.detach())
+    assert export([t, None, 2.0])[1:] == [None, 2.0]
+    a = np.ones(3)
+    assert export(a) is a  # NumPy arrays: nanobind takes them itself
+    # An overloaded function whose first overload uses up the capsules still resolves.
+    src, dst = [torch.ones(6)], [torch.zeros(6)]
+    leanstep._arrays.native.grad_multi_tensor_scale(src, dst, 2.0, torch.zeros(1))
+    assert torch.equal(dst[0], torch.full((6,), 2.0))

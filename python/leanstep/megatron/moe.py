@@ -12,6 +12,7 @@ host read on the way).
 """
 
 import functools
+import os
 
 import torch
 
@@ -22,6 +23,53 @@ MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 ALIAS_MODULES = ("megatron.core.transformer.moe.token_dispatcher",)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+# On CPU tensors the patches hand the call back to Megatron's own function by
+# default. Measured in the main job (`python -m leanstep.megatron.train`, 256
+# tokens per rank, hidden 256, 8 experts, fp32, this project's 2-core CI
+# machine): with leanstep's kernels the permute + unpermute + sort_chunks phase
+# took 11-13 ms a step against Megatron's 8-9 ms. Forward calls were at parity;
+# the backward calls each cost 100-200 us more inside a training step than
+# the same calls in a loop (Python autograd functions and the call into the
+# extension, with cold caches), where Megatron's backward is a few C++ autograd
+# nodes. Megatron's CPU path is stable and reads nothing it does not need on
+# the host, so nothing is lost. Device tensors always take leanstep's path (no
+# host read of the routed count, Triton kernels).
+_CPU_ENV = "LEANSTEP_MEGATRON_MOE_CPU"
+_cpu_kernels = None  # None: not set by the caller, the environment decides
+
+
+def cpu_kernels(enabled=None):
+    """Whether the MoE patches run leanstep's C++ kernels on CPU tensors
+    (``False`` by default: Megatron's own functions, which are faster there; see
+    docs/megatron-cpu.md). ``cpu_kernels(True)`` or ``LEANSTEP_MEGATRON_MOE_CPU=leanstep``
+    switches them on (tests, benchmarks); ``cpu_kernels(False)`` off. Returns the
+    setting in force before the call."""
+    global _cpu_kernels
+    previous = _cpu_kernels_enabled()
+    if enabled is not None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"cpu_kernels: argument 'enabled' must be True, False or None "
+                            f"(got {enabled!r})")
+        _cpu_kernels = enabled
+    return previous
+
+
+def _cpu_kernels_enabled():
+    if _cpu_kernels is not None:
+        return _cpu_kernels
+    value = os.environ.get(_CPU_ENV, "").strip().lower()
+    if value in ("", "megatron"):
+        return False
+    if value == "leanstep":
+        return True
+    from .._leanstep import Error
+
+    raise Error(f"{_CPU_ENV} must be 'megatron' (the default) or 'leanstep' (got {value!r})")
+
+
+CPU_DELEGATED = "cpu_megatron_faster"  # the reason counted when a CPU call is handed back
 
 
 def _why_not(tensors):
@@ -82,6 +130,8 @@ def _make_permute(original, spec, five_tuple=False):
                                or (probs is not None and probs.dtype not in _DTYPES)):
             reason = "dtype_or_shape"
         on_cpu = reason is None and tokens.device.type == "cpu"
+        if on_cpu and not _cpu_kernels_enabled():
+            reason = CPU_DELEGATED
         rows = _host_rows(num_out_tokens, tokens.device) if reason is None else None
         if reason is None and five_tuple and not (drop_and_pad and num_out_tokens is not None):
             if num_out_tokens is None:
@@ -158,6 +208,8 @@ def _make_unpermute(original, spec, with_pad_offsets=False):
             reason = "dtype_or_shape"
         if reason is None and probs is not None and routing_map is None:
             reason = "probs_without_routing_map"  # the original asserts
+        if reason is None and permuted_tokens.device.type == "cpu" and not _cpu_kernels_enabled():
+            reason = CPU_DELEGATED
         if reason is not None:
             _patching.count(spec.name, reason=reason)
             return call_original()
@@ -216,6 +268,8 @@ def _make_sort_chunks_by_idxs(original, spec):
             reason = _why_not([input, probs])
         if reason is None and input.dtype not in _DTYPES + (torch.float64,):
             reason = "dtype"
+        if reason is None and input.device.type == "cpu" and not _cpu_kernels_enabled():
+            reason = CPU_DELEGATED
         if reason is not None:
             _patching.count(spec.name, reason=reason)
             return original(input, split_sizes, sorted_idxs, probs, fused)
