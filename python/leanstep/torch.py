@@ -102,6 +102,17 @@ class _ExactForwardFrozenRMSNorm(torch.autograd.Function):
         return dx, None, None, None, None
 
 
+_decisions = {}  # rmsnorm_decide is a pure function of the call's features: asked once each
+
+
+def _decide(context):
+    key = tuple(context.items())
+    decision = _decisions.get(key)
+    if decision is None:
+        decision = _decisions.setdefault(key, _leanstep.rmsnorm_decide(**context))
+    return decision
+
+
 def _fresh_like(t):
     """An output like `t` that leanstep allocates (huge pages when large)."""
     return _empty(tuple(t.shape), _dtype_name(t), t)
@@ -286,14 +297,14 @@ class RMSNorm(torch.nn.RMSNorm):
         delegate_ok = not self.zero_centered_gamma and self.rounding == "scale_then_cast"
         if self.enabled is not None and not self.enabled() and delegate_ok:
             # Switched off at run time (a crossover's baseline): torch's own path.
-            self.last_decision = {"path": "torch", "reason": "switched_off"}
+            self.__dict__["last_decision"] = {"path": "torch", "reason": "switched_off"}
             return super().forward(x)
         unsupported = self._unsupported(x)
         if unsupported is not None:
             if not delegate_ok:
                 raise ValueError(f"leanstep RMSNorm with zero_centered_gamma/rounding options "
                                  f"cannot run this call ({unsupported})")
-            self.last_decision = {"path": "torch", "reason": unsupported}
+            self.__dict__["last_decision"] = {"path": "torch", "reason": unsupported}
             return super().forward(x)
         context = self._context()
         if (delegate_ok and x.device.type == "cpu" and not x.is_contiguous()
@@ -302,23 +313,23 @@ class RMSNorm(torch.nn.RMSNorm):
             # first, torch's fused CPU kernels read it in place. Measured on a 2-core AVX2
             # machine, fp32 [128, 2, 2, 32] views of [..., 96] rows, frozen, forward +
             # backward, one thread: torch 491 us, leanstep with the copy 609 us.
-            self.last_decision = {"path": "torch", "reason": "strided_input"}
+            self.__dict__["last_decision"] = {"path": "torch", "reason": "strided_input"}
             return super().forward(x)
-        decision = _leanstep.rmsnorm_decide(**context)
-        general_features = dict(context, weight_requires_grad=False)
-        feature_declined = _leanstep.rmsnorm_decide(**general_features)["path"] != "frozen_fused"
+        decision = _decide(context)
+        feature_declined = _decide(dict(context, weight_requires_grad=False))["path"] \
+            != "frozen_fused"
         if self.frozen_only and context["weight_requires_grad"]:
             feature_declined = True
         if feature_declined and delegate_ok:
             # A feature leanstep does not model (autocast, hooks, compile,
             # offload, subclass): the original torch path runs.
-            self.last_decision = {"path": "torch", "reason": decision["explain"]}
+            self.__dict__["last_decision"] = {"path": "torch", "reason": decision["explain"]}
             return super().forward(x)
         eps = self.eps if self.eps is not None else default_eps(x.dtype)
         chosen, why = _backend.choose_with_reason([x, self.weight], self.backend, "RMSNorm",
                                                   ["x", "weight"], triton="rmsnorm")
         _backend.record("rmsnorm.forward", chosen, x.device.type, why)
-        self.last_decision = {"path": decision["path"], "reason": decision["reason"],
+        self.__dict__["last_decision"] = {"path": decision["path"], "reason": decision["reason"],
                               "backend": chosen}
         if not x.is_contiguous():
             x = x.contiguous()
