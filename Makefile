@@ -12,7 +12,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
 .PHONY: all sysdeps pydeps pydeps312 build python python312 test test-cpp test-python \
-        test-python312 test-asan test-tsan test-fuzz demo demo-cpp bench clean
+        test-python312 test-asan test-tsan test-fuzz wheel test-wheel demo demo-cpp bench clean
 
 all: build
 
@@ -61,14 +61,34 @@ endif
 
 # The whole Python suite again on Python 3.12 with megatron-core 0.19.2. A
 # machine without a Python 3.12 cannot test the 0.17+ line: it says so.
+# PY312_TESTS narrows the 3.12 run (CI: the tests that touch Megatron-Core or
+# ms-swift, whose version is what this run adds); by default it is every test.
+PY312_TESTS ?= tests/python
 test-python312: python312
 ifneq ($(PYTHON312),)
-	$(PY312) -m pytest -q -rs tests/python
+	$(PY312) -m pytest -q -rs $(PY312_TESTS)
 else
 	@echo "NOT TESTED: megatron-core 0.17+ (no Python 3.12 on this machine; install one, e.g. with pyenv)"
 endif
 
 test: test-cpp test-python test-python312
+
+# Release wheels (manylinux, the libraries they need bundled) for the Python
+# versions present, and an sdist: build/wheel/. See docs/install.md.
+WHEEL_DIR := $(BUILD)/wheel
+wheel: pydeps pydeps312
+	scripts/build-wheels.sh $(WHEEL_DIR) $(PY) $(if $(PYTHON312),$(PY312))
+
+# Each wheel installed into a fresh venv and tested from outside the source tree
+# (WHEEL_TESTS: which tests; CI runs a short list).
+WHEEL_TESTS ?= tests/python
+test-wheel: wheel
+	scripts/test-wheel.sh $(wildcard $(WHEEL_DIR)/leanstep-*-cp311-*.whl) $(PY) $(VENV) \
+		$(BUILD)/wheel-venv $(WHEEL_TESTS)
+ifneq ($(PYTHON312),)
+	scripts/test-wheel.sh $(wildcard $(WHEEL_DIR)/leanstep-*-cp312-*.whl) $(PY312) $(VENV312) \
+		$(BUILD)/wheel-venv312 $(WHEEL_TESTS)
+endif
 
 test-asan: sysdeps
 	cmake --preset asan >/dev/null

@@ -10,7 +10,10 @@
 #      T 4096 E 128 k 8 H 2048 (vs Megatron-Core): ms, launches, syncs, share of the copy
 #      bandwidth measured in the same run.
 #
-# Usage: scripts/gpu-check.sh [--cpu-smoke] [OUT_DIR]          (default: gpu-check-out)
+# Usage: scripts/gpu-check.sh [--cpu-smoke] [--wheel WHEEL] [OUT_DIR]  (default: gpu-check-out)
+#   --wheel WHEEL: the leanstep wheel for that Python (make wheel: build/wheel/*-cp312-*.whl),
+#   installed into OUT_DIR/site (pip --no-index --no-deps --target) and imported from there;
+#   without it the compiled extension must be in python/leanstep/ (see below).
 #   --cpu-smoke: the same steps on a machine without a GPU (tests in Triton's interpreter,
 #   bench/gpu_check.py --cpu-smoke with tiny sizes): checks this script's logic only.
 #   PYTHON=/path/to/python  the interpreter (default: python3). It needs torch with CUDA,
@@ -22,16 +25,31 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 SMOKE=0
-if [ "${1:-}" = "--cpu-smoke" ]; then
-    SMOKE=1
-    shift
-fi
+WHEEL=
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --cpu-smoke) SMOKE=1; shift ;;
+        --wheel) WHEEL=${2:?--wheel needs the path of a wheel}; shift 2 ;;
+        *) break ;;
+    esac
+done
 PY=${PYTHON:-python3}
 OUT=${1:-gpu-check-out}
 BUDGET=${GPU_CHECK_BUDGET_S:-470}  # seconds for the whole script (8 minutes with margin)
 TESTS_S=${GPU_CHECK_TESTS_S:-290}  # the tests' share: first launches compile every kernel
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "$WHEEL" ]; then
+    # The wheel's package, not the source tree's (which has no compiled extension there).
+    SITE="$(cd "$OUT" && pwd)/site"
+    rm -rf "$SITE"
+    if ! "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$WHEEL"; then
+        echo "gpu-check: could not install $WHEEL for $PY"
+        exit 2
+    fi
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+fi
 unset TRITON_INTERPRET
 # Device tensors pick the Triton kernels by themselves (after their first-use self-check);
 # stated here so that a LEANSTEP_TRITON=off in the caller's environment does not hide them.
@@ -54,7 +72,8 @@ import triton
 print("triton", triton.__version__)
 import leanstep
 from leanstep import _backend
-print("leanstep", leanstep.__version__, "| areas:", ",".join(leanstep.areas))
+print("leanstep", leanstep.__version__, "| areas:", ",".join(leanstep.areas), "| from",
+      os.path.dirname(leanstep.__file__))
 if not smoke:
     from triton.runtime import driver
     print("triton driver:", driver.active.get_current_target())

@@ -53,7 +53,19 @@ PRESETS = {"baseline": "baseline", "rmsnorm": "rmsnorm", "grad": "grad", "all": 
 def crossover_conditions(args):
     return CONDITIONS + ((AA_CONDITION,) if args.aa else ())
 DEFAULT_TARGETS = "linear_qkv,linear_proj,linear_fc1,linear_fc2"
-CORPUS = os.path.join("data", "corpus.txt")
+def _default_corpus():
+    """The project's training text: in the installed package (leanstep/data/, put
+    there by the wheel), else in the source tree's data/ (a checkout run with
+    PYTHONPATH=python)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for path in (os.path.join(package, "data", "corpus.txt"),
+                 os.path.join(os.path.dirname(os.path.dirname(package)), "data", "corpus.txt")):
+        if os.path.isfile(path):
+            return path
+    return os.path.join("data", "corpus.txt")  # named in the error if neither exists
+
+
+CORPUS = _default_corpus()
 
 
 def build_parser():
