@@ -72,6 +72,13 @@ def _cpu_kernels_enabled():
 CPU_DELEGATED = "cpu_megatron_faster"  # the reason counted when a CPU call is handed back
 
 
+def _cpu_delegated(tensor):
+    """Whether this call goes back to Megatron as a CPU call, checked first and
+    cheaply (the call's other checks would only add to Megatron's own time)."""
+    return (type(tensor) in _PLAIN and tensor.device.type == "cpu"
+            and not _cpu_kernels_enabled())
+
+
 def _why_not(tensors):
     """Why leanstep cannot take these tensors (None if it can)."""
     from .. import _backend
@@ -125,13 +132,14 @@ def _make_permute(original, spec, five_tuple=False):
         if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return None, call_original()
+        if _cpu_delegated(tokens):
+            _patching.count(spec.name, reason=CPU_DELEGATED)
+            return None, call_original()
         reason = "fused" if fused else _why_not([tokens, routing_map, probs])
         if reason is None and (tokens.dim() != 2 or tokens.dtype not in _DTYPES
                                or (probs is not None and probs.dtype not in _DTYPES)):
             reason = "dtype_or_shape"
         on_cpu = reason is None and tokens.device.type == "cpu"
-        if on_cpu and not _cpu_kernels_enabled():
-            reason = CPU_DELEGATED
         rows = _host_rows(num_out_tokens, tokens.device) if reason is None else None
         if reason is None and five_tuple and not (drop_and_pad and num_out_tokens is not None):
             if num_out_tokens is None:
@@ -198,6 +206,9 @@ def _make_unpermute(original, spec, with_pad_offsets=False):
         if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return call_original()
+        if _cpu_delegated(permuted_tokens):
+            _patching.count(spec.name, reason=CPU_DELEGATED)
+            return call_original()
         reason = "fused" if fused else _why_not([permuted_tokens, sorted_indices, probs,
                                                  routing_map])
         if reason is None and pad_offsets is not None:
@@ -208,8 +219,6 @@ def _make_unpermute(original, spec, with_pad_offsets=False):
             reason = "dtype_or_shape"
         if reason is None and probs is not None and routing_map is None:
             reason = "probs_without_routing_map"  # the original asserts
-        if reason is None and permuted_tokens.device.type == "cpu" and not _cpu_kernels_enabled():
-            reason = CPU_DELEGATED
         if reason is not None:
             _patching.count(spec.name, reason=reason)
             return call_original()
@@ -260,6 +269,9 @@ def _make_sort_chunks_by_idxs(original, spec):
         if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return original(input, split_sizes, sorted_idxs, probs, fused)
+        if _cpu_delegated(input):
+            _patching.count(spec.name, reason=CPU_DELEGATED)
+            return original(input, split_sizes, sorted_idxs, probs, fused)
         reason = "fused" if fused else None
         if reason is None and not (isinstance(split_sizes, torch.Tensor)
                                    and isinstance(sorted_idxs, torch.Tensor)):
@@ -268,8 +280,6 @@ def _make_sort_chunks_by_idxs(original, spec):
             reason = _why_not([input, probs])
         if reason is None and input.dtype not in _DTYPES + (torch.float64,):
             reason = "dtype"
-        if reason is None and input.device.type == "cpu" and not _cpu_kernels_enabled():
-            reason = CPU_DELEGATED
         if reason is not None:
             _patching.count(spec.name, reason=reason)
             return original(input, split_sizes, sorted_idxs, probs, fused)
