@@ -142,11 +142,6 @@ def dtype_name(x):
     return np.dtype(x.dtype).name
 
 
-def _torch_dtype(name):
-    torch = torch_module()
-    return getattr(torch, name)
-
-
 # ---------------------------------------------------------------- fresh CPU outputs
 #
 # A fresh 100 MB output costs more in first-touch page faults than the kernel

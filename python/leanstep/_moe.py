@@ -116,7 +116,7 @@ def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_p
     permuted_probs = None if probs is None else empty((rows,), dtype_name(probs), tokens)
     sorted_indices = empty((rows,), "int64", tokens)
     native.moe_permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad,
-                          _cpu_method(method), permuted, permuted_probs, sorted_indices)
+                       _cpu_method(method), permuted, permuted_probs, sorted_indices)
     return permuted, permuted_probs, sorted_indices
 
 
@@ -138,7 +138,7 @@ def moe_unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_m
                      "moe_unpermute")
     out = result(tuple(restore_shape), dtype_name(permuted), permuted, out, "moe_unpermute", "out")
     native.moe_unpermute(permuted, sorted_indices, out, probs, routing_map, drop_and_pad,
-                            _cpu_method(method))
+                         _cpu_method(method))
     return out
 
 
@@ -167,7 +167,7 @@ def moe_permute_probs_backward(dpermuted_probs, sorted_indices, routing_map, dro
                                                    drop_and_pad)
     dprobs = empty(tuple(routing_map.shape), dtype_name(dpermuted_probs), dpermuted_probs)
     native.moe_permute_probs_backward(dpermuted_probs, sorted_indices, routing_map,
-                                         drop_and_pad, dprobs)
+                                      drop_and_pad, dprobs)
     return dprobs
 
 
@@ -185,7 +185,7 @@ def moe_unpermute_backward(dout, permuted, sorted_indices, probs=None, routing_m
     dpermuted = empty(tuple(permuted.shape), dtype_name(permuted), permuted)
     dprobs = None if probs is None else empty(tuple(probs.shape), dtype_name(probs), probs)
     native.moe_unpermute_backward(dout, permuted, sorted_indices, probs, routing_map,
-                                     drop_and_pad, _cpu_method(method), dpermuted, dprobs)
+                                  drop_and_pad, _cpu_method(method), dpermuted, dprobs)
     return dpermuted, dprobs
 
 
@@ -208,9 +208,9 @@ def moe_route(logits, topk, score_function="softmax", pre_softmax=False, normali
     probs = empty((num_tokens, num_experts), "float32", logits)
     tokens_per_expert = empty((num_experts,), "int64", logits)
     native.moe_route(logits, int(topk), score_function, pre_softmax, normalize,
-                        scaling_factor, capacity_factor, drop_policy, pad_to_capacity,
-                        expert_bias, routing_map=routing_map, probs=probs,
-                        tokens_per_expert=tokens_per_expert)
+                     scaling_factor, capacity_factor, drop_policy, pad_to_capacity,
+                     expert_bias, routing_map=routing_map, probs=probs,
+                     tokens_per_expert=tokens_per_expert)
     return routing_map, probs, tokens_per_expert
 
 

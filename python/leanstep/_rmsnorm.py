@@ -39,10 +39,10 @@ def rms_norm(x, weight, eps, zero_centered_gamma=False, rounding="scale_then_cas
     _backend.record("rmsnorm.forward", "cpu", "cpu")
     if impl is None:  # the dispatch registry chooses (preset, guards, counts)
         native.rmsnorm_forward_routed(x, weight, y, rstd, float(eps), zero_centered_gamma,
-                                         rounding, weight_requires_grad=False)
+                                      rounding, weight_requires_grad=False)
     else:
         native.rmsnorm_forward(x, weight, y, rstd, float(eps), zero_centered_gamma, rounding,
-                                  impl)
+                               impl)
     return y, rstd
 
 
@@ -76,9 +76,9 @@ def rms_norm_backward(dy, x, rstd, weight, zero_centered_gamma=False, weight_req
     # eps only enters through rstd, which the forward saved.
     if impl is None:  # the dispatch registry chooses (the frozen path when dweight is None)
         native.rmsnorm_backward_routed(dy, x, rstd, weight, dx, dweight, 0.0,
-                                          zero_centered_gamma,
-                                          weight_requires_grad=bool(weight_requires_grad))
+                                       zero_centered_gamma,
+                                       weight_requires_grad=bool(weight_requires_grad))
     else:
         native.rmsnorm_backward(dy, x, rstd, weight, dx, dweight, 0.0, zero_centered_gamma,
-                                   impl)
+                                impl)
     return dx, dweight

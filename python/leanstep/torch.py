@@ -47,7 +47,7 @@ class _RMSNormFunction(torch.autograd.Function):
         y = _fresh_like(x)
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
         _native.rmsnorm_forward_routed(x.detach(), weight.detach(), y, rstd, eps,
-                                         zero_centered_gamma, rounding, **context)
+                                       zero_centered_gamma, rounding, **context)
         ctx.save_for_backward(x, weight, rstd)
         ctx.zero_centered_gamma = zero_centered_gamma
         ctx.context = context
@@ -61,8 +61,8 @@ class _RMSNormFunction(torch.autograd.Function):
         dweight = _fresh_like(weight) if need_weight_grad else None
         context = dict(ctx.context, weight_requires_grad=need_weight_grad)
         _native.rmsnorm_backward_routed(dy.detach().contiguous(), x.detach(), rstd,
-                                          weight.detach(), dx, dweight, 0.0,
-                                          ctx.zero_centered_gamma, **context)
+                                        weight.detach(), dx, dweight, 0.0,
+                                        ctx.zero_centered_gamma, **context)
         return dx, dweight, None, None, None, None
 
 
@@ -97,8 +97,8 @@ class _ExactForwardFrozenRMSNorm(torch.autograd.Function):
             dx = _fresh_like(x)
             context = dict(ctx.context, weight_requires_grad=False)
             _native.rmsnorm_backward_routed(dy.detach(), x.detach(),
-                                              rstd.detach().reshape(x.shape[:-1]),
-                                              weight.detach(), dx, None, 0.0, False, **context)
+                                            rstd.detach().reshape(x.shape[:-1]),
+                                            weight.detach(), dx, None, 0.0, False, **context)
         return dx, None, None, None, None
 
 
@@ -150,7 +150,7 @@ def rms_norm(x, weight, eps=1e-6, zero_centered_gamma=False, rounding="scale_the
         y = _fresh_like(x)
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
         _native.rmsnorm_forward_routed(x.detach(), weight.detach(), y, rstd, float(eps),
-                                         zero_centered_gamma, rounding, **context)
+                                       zero_centered_gamma, rounding, **context)
         return y
     return _RMSNormFunction.apply(x, weight, float(eps), zero_centered_gamma, rounding, context)
 
@@ -330,7 +330,7 @@ class RMSNorm(torch.nn.RMSNorm):
                                                   ["x", "weight"], triton="rmsnorm")
         _backend.record("rmsnorm.forward", chosen, x.device.type, why)
         self.__dict__["last_decision"] = {"path": decision["path"], "reason": decision["reason"],
-                              "backend": chosen}
+                                          "backend": chosen}
         if not x.is_contiguous():
             x = x.contiguous()
         if (getattr(self, "exact_forward", False) and delegate_ok
@@ -352,7 +352,7 @@ class RMSNorm(torch.nn.RMSNorm):
             y = _fresh_like(x)
             rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
             _native.rmsnorm_forward_routed(x.detach(), self.weight.detach(), y, rstd, float(eps),
-                                             self.zero_centered_gamma, self.rounding, **context)
+                                           self.zero_centered_gamma, self.rounding, **context)
             return y
         return _RMSNormFunction.apply(x, self.weight, float(eps), self.zero_centered_gamma,
                                       self.rounding, context)
@@ -365,17 +365,6 @@ def _without_triton(backend):
     """The backend for a backward op that has no Triton kernels, when the
     forward was forced to Triton: the torch-op backend (the same numerics)."""
     return "torch" if backend == "triton" else backend
-
-
-_CPU_LANE = "CPU tensors (backward of a CPU forward)"
-
-
-def _cpu_lane(ctx, saved):
-    """Whether a backward runs the C++ kernels straight away: its forward ran
-    them (CPU tensors, no forced device backend). Its tensors are the forward's
-    or autograd's gradients of its outputs (same device and dtype), so the
-    entry points' checks have nothing left to find; the kernels still check."""
-    return ctx.backend in (None, "cpu") and saved.is_cpu
 
 
 class _PermuteFunction(torch.autograd.Function):
@@ -395,19 +384,6 @@ class _PermuteFunction(torch.autograd.Function):
     def backward(ctx, dpermuted, dpermuted_probs, _):
         sorted_indices, routing_map = ctx.saved_tensors
         dtokens = dprobs = None
-        if _cpu_lane(ctx, sorted_indices):
-            if ctx.needs_input_grad[0]:
-                dpermuted = dpermuted.contiguous()
-                dtokens = _empty((ctx.num_tokens, dpermuted.shape[-1]), _dtype_name(dpermuted), dpermuted)
-                _native.moe_permute_backward(dpermuted, sorted_indices, dtokens,
-                                             ctx.method or "auto")
-                _backend.record("moe.permute_backward", "cpu", "cpu", _CPU_LANE)
-            if ctx.needs_input_grad[2] and dpermuted_probs is not None:
-                dprobs = _empty(routing_map.shape, _dtype_name(dpermuted_probs), dpermuted_probs)
-                _native.moe_permute_probs_backward(dpermuted_probs.contiguous(), sorted_indices,
-                                                   routing_map, ctx.drop_and_pad, dprobs)
-                _backend.record("moe.permute_probs_backward", "cpu", "cpu", _CPU_LANE)
-            return dtokens, None, dprobs, None, None, None, None
         if ctx.needs_input_grad[0]:
             dtokens = moe_permute_backward(dpermuted.contiguous(), sorted_indices,
                                            ctx.num_tokens, ctx.method, backend=ctx.backend)
@@ -443,15 +419,6 @@ class _UnpermuteFunction(torch.autograd.Function):
     def backward(ctx, dout):
         permuted, sorted_indices, probs, routing_map = ctx.saved_tensors
         need_probs = probs is not None and ctx.needs_input_grad[3]
-        if _cpu_lane(ctx, permuted):
-            dpermuted = _empty(permuted.shape, _dtype_name(permuted), permuted)
-            dprobs = None if probs is None else _empty(probs.shape, _dtype_name(probs), probs)
-            _native.moe_unpermute_backward(dout.contiguous(), permuted, sorted_indices, probs,
-                                           routing_map, ctx.drop_and_pad, ctx.method or "auto",
-                                           dpermuted, dprobs)
-            _backend.record("moe.unpermute_backward", "cpu", "cpu", _CPU_LANE)
-            return (dpermuted if ctx.needs_input_grad[0] else None, None, None,
-                    dprobs if need_probs else None, None, None, None, None)
         dpermuted, dprobs = moe_unpermute_backward(
             dout.contiguous(), permuted, sorted_indices, probs, routing_map, ctx.drop_and_pad,
             ctx.method, backend=_without_triton(ctx.backend))
@@ -484,22 +451,10 @@ class _SortChunksFunction(torch.autograd.Function):
         out_sizes = split_sizes.index_select(0, sorted_idxs.long())
         inverse = torch.argsort(sorted_idxs)
         drows = dprobs = None
-        want_rows = dout is not None and ctx.needs_input_grad[0]
-        want_probs = dout_probs is not None and ctx.needs_input_grad[3]
-        if want_rows and _cpu_lane(ctx, split_sizes):
-            # One call moves the rows and their probs back together.
-            dout = dout.contiguous()
-            drows = _empty(dout.shape, _dtype_name(dout), dout)
-            dout_probs = dout_probs.contiguous() if want_probs else None
-            dprobs = None if dout_probs is None else _empty(dout_probs.shape,
-                                                                  _dtype_name(dout_probs), dout_probs)
-            _native.moe_sort_chunks_by_idxs(dout, out_sizes, inverse, drows, dout_probs, dprobs)
-            _backend.record("moe.sort_chunks_by_idxs", "cpu", "cpu", _CPU_LANE)
-            return drows, None, None, dprobs, None
-        if want_rows:
+        if dout is not None and ctx.needs_input_grad[0]:
             drows, _ = _sort_chunks_by_idxs(dout.contiguous(), out_sizes, inverse,
                                             backend=ctx.backend)
-        if want_probs:
+        if dout_probs is not None and ctx.needs_input_grad[3]:
             dprobs, _ = _sort_chunks_by_idxs(dout_probs.contiguous(), out_sizes, inverse,
                                              backend=ctx.backend)
         return drows, None, None, dprobs, None
