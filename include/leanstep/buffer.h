@@ -26,7 +26,7 @@ class Buffer {
       n *= s;
     }
     const size_t bytes = (static_cast<size_t>(n) * dtype_size(dtype) + 63) / 64 * 64;
-    // From 2 MiB: 2 MiB-aligned, advised as huge pages, zeroed by the worker threads.
+    // Large: block-aligned, advised as huge pages, zeroed by the worker threads.
     void* p = host_alloc_zeroed(bytes);
     if (bytes && !p) throw Error("Buffer: out of memory");
     storage_.reset(p);

@@ -5,9 +5,9 @@
 // that writes it: glibc maps every block over 32 MiB anew and unmaps it when it
 // is freed. The pool keeps such blocks once their output is gone, so a later
 // output of a similar size finds its pages mapped (the caching idea of the
-// frameworks' device allocators). Blocks are 2 MiB-aligned and, when the
-// kernel's transparent-huge-page mode allows it, advised as huge pages before
-// their first write, which the kernels' threads then do on the pages they own.
+// frameworks' device allocators). Blocks are aligned to block_bytes (below: the
+// huge page, 2 MiB on x86-64) and, when the kernel's transparent-huge-page mode allows
+// it, advised as huge pages before their first write, which the kernels' threads then do on the pages they own.
 // The library's ops never allocate outputs; the Python package and Buffer do.
 #pragma once
 
@@ -17,13 +17,33 @@
 
 namespace leanstep {
 
-inline constexpr size_t kHugePageBytes = size_t{1} << 21;  // 2 MiB (x86-64, arm64)
+// -- page sizes
+//
+// Read from the system, never assumed: the base page from sysconf(_SC_PAGESIZE)
+// (4 KiB on x86-64; 4, 16 or 64 KiB on arm64) and the transparent huge page
+// from /sys/kernel/mm/transparent_hugepage/hpage_pmd_size (2 MiB on x86-64 and
+// 4 KiB-page arm64, 32 MiB with 16 KiB pages, 512 MiB with 64 KiB pages).
+struct HostPageSizes {
+  size_t page_bytes = 0;
+  size_t huge_page_bytes = 0;  // 0: no transparent huge pages
+  // The unit of large blocks: their threshold, alignment and size rounding, and
+  // the first-touch split of their zero fill. The huge page when it is at most
+  // kMaxBlockBytes, else 2 MiB (at least one page): a 512 MiB huge page would
+  // make every pooled output a 512 MiB block.
+  size_t block_bytes = 0;
+};
+inline constexpr size_t kMaxBlockBytes = size_t{32} << 20;
+HostPageSizes host_page_sizes();
+// For tests: behave as on a system with these sizes (page_bytes a power of two
+// from 4 KiB to 1 MiB; huge_page_bytes 0 or a power-of-two multiple of it).
+// (0, 0) reads the system's again. Free pool blocks are released.
+void set_host_page_sizes_for_test(size_t page_bytes, size_t huge_page_bytes);
 
 // -- huge pages
 
-// Whether blocks of at least 2 MiB that leanstep allocates are advised as
-// transparent huge pages (MADV_HUGEPAGE on their 2 MiB-aligned part) before
-// their first write. On by default; LEANSTEP_HUGE_PAGES=0 (read once) or
+// Whether blocks of at least one huge page that leanstep allocates are advised
+// as transparent huge pages (MADV_HUGEPAGE on their huge-page-aligned part)
+// before their first write. On by default; LEANSTEP_HUGE_PAGES=0 (read once) or
 // set_huge_pages(false) turns it off. Returns the previous setting.
 bool set_huge_pages(bool enabled);
 
@@ -31,17 +51,18 @@ struct HugePageInfo {
   bool enabled = false;
   std::string thp_mode;       // "always", "madvise", "never", or "none" (no THP); read once
   size_t advised_bytes = 0;   // advised so far
+  HostPageSizes sizes;
 };
 HugePageInfo huge_page_info();
 
-// Advises the 2 MiB-aligned part of [p, p + bytes) when enabled, the block is
-// at least 2 MiB and THP is in "madvise" or "always" mode (advice only: a
+// Advises the huge-page-aligned part of [p, p + bytes) when enabled, the block
+// spans a huge page and THP is in "madvise" or "always" mode (advice only: a
 // refusal changes nothing).
 void advise_huge_pages(void* p, size_t bytes);
 
 // -- the output pool
 
-// A block of at least `bytes` (2 MiB-aligned, rounded up to 2 MiB), or nullptr
+// A block of at least `bytes` (aligned to and rounded up to block_bytes), or nullptr
 // when the pool is off or the block would take it over its cap (the caller
 // then allocates as usual). Give it back with host_pool_give_back when the
 // output that uses it is gone. Thread-safe.
@@ -68,9 +89,9 @@ struct HostPoolInfo {
 };
 HostPoolInfo host_pool_info();
 
-// Zeroed host memory, 64-byte aligned (from 2 MiB: 2 MiB-aligned and advised
-// as huge pages, the zero fill on the worker threads, each first touching the
-// pages of its own share). What Buffer uses. nullptr if out of memory; free
+// Zeroed host memory, 64-byte aligned (from block_bytes: aligned to it and
+// advised as huge pages, the zero fill on the worker threads, each first
+// touching the pages of its own share). What Buffer uses. nullptr if out of memory; free
 // with std::free.
 void* host_alloc_zeroed(size_t bytes);
 

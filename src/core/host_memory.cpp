@@ -10,6 +10,7 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 #include "leanstep/core.h"
@@ -17,6 +18,45 @@
 
 namespace leanstep {
 namespace {
+
+bool power_of_two(size_t n) { return n != 0 && (n & (n - 1)) == 0; }
+
+HostPageSizes derive_sizes(size_t page, size_t huge) {
+  HostPageSizes s;
+  s.page_bytes = page;
+  s.huge_page_bytes = huge;
+  s.block_bytes = (huge != 0 && huge <= kMaxBlockBytes) ? huge : std::max(page, size_t{2} << 20);
+  return s;
+}
+
+HostPageSizes system_sizes() {
+  size_t page = 4096;
+#if defined(__linux__)
+  const long sc = sysconf(_SC_PAGESIZE);
+  if (sc > 0 && power_of_two(static_cast<size_t>(sc))) page = static_cast<size_t>(sc);
+#endif
+  size_t huge = 0;
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size");
+  unsigned long long value = 0;
+  if (f >> value && power_of_two(static_cast<size_t>(value)) && value >= page) huge = static_cast<size_t>(value);
+  return derive_sizes(page, huge);
+}
+
+struct PageSizes {
+  std::mutex mutex;
+  HostPageSizes sizes = system_sizes();
+};
+
+PageSizes& page_sizes() {
+  static auto* state = new PageSizes();
+  return *state;
+}
+
+HostPageSizes current_sizes() {
+  PageSizes& p = page_sizes();
+  std::lock_guard<std::mutex> lock(p.mutex);
+  return p.sizes;
+}
 
 struct HugePages {
   std::mutex mutex;
@@ -113,22 +153,46 @@ bool set_huge_pages(bool enabled) {
 }
 
 HugePageInfo huge_page_info() {
+  const HostPageSizes sizes = current_sizes();
   HugePages& h = huge();
   std::lock_guard<std::mutex> lock(h.mutex);
-  return HugePageInfo{h.enabled, h.thp_mode(), h.advised};
+  return HugePageInfo{h.enabled, sizes.huge_page_bytes ? h.thp_mode() : std::string("none"), h.advised, sizes};
+}
+
+HostPageSizes host_page_sizes() { return current_sizes(); }
+
+void set_host_page_sizes_for_test(size_t page_bytes, size_t huge_page_bytes) {
+  HostPageSizes next;
+  if (page_bytes == 0 && huge_page_bytes == 0) {
+    next = system_sizes();
+  } else {
+    if (!power_of_two(page_bytes) || page_bytes < 4096 || page_bytes > (size_t{1} << 20))
+      throw_arg_error("set_host_page_sizes_for_test", "page_bytes", "must be a power of two from 4096 to 1048576 (got " + std::to_string(page_bytes) + ")");
+    if (huge_page_bytes != 0 && (!power_of_two(huge_page_bytes) || huge_page_bytes < page_bytes))
+      throw_arg_error("set_host_page_sizes_for_test", "huge_page_bytes",
+                      "must be 0 or a power of two of at least page_bytes (got " + std::to_string(huge_page_bytes) + ")");
+    next = derive_sizes(page_bytes, huge_page_bytes);
+  }
+  {
+    PageSizes& p = page_sizes();
+    std::lock_guard<std::mutex> lock(p.mutex);
+    p.sizes = next;
+  }
+  host_pool_release_free();
 }
 
 void advise_huge_pages(void* p, size_t bytes) {
+  const size_t huge_bytes = current_sizes().huge_page_bytes;
   HugePages& h = huge();
   {
     std::lock_guard<std::mutex> lock(h.mutex);
     const std::string& mode = h.thp_mode();
-    if (!h.enabled || bytes < kHugePageBytes || (mode != "madvise" && mode != "always")) return;
+    if (!h.enabled || huge_bytes == 0 || bytes < huge_bytes || (mode != "madvise" && mode != "always")) return;
   }
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   const uintptr_t address = reinterpret_cast<uintptr_t>(p);
-  const uintptr_t begin = round_up(address, kHugePageBytes);
-  const uintptr_t end = (address + bytes) / kHugePageBytes * kHugePageBytes;
+  const uintptr_t begin = round_up(address, huge_bytes);
+  const uintptr_t end = (address + bytes) / huge_bytes * huge_bytes;
   if (end <= begin) return;
   if (madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) == 0) {
     std::lock_guard<std::mutex> lock(h.mutex);
@@ -141,7 +205,8 @@ void advise_huge_pages(void* p, size_t bytes) {
 
 void* host_pool_take(size_t bytes) {
   if (bytes == 0) return nullptr;
-  const size_t need = round_up(bytes, kHugePageBytes);
+  const size_t block_bytes = current_sizes().block_bytes;
+  const size_t need = round_up(bytes, block_bytes);
   Pool& p = pool();
   std::lock_guard<std::mutex> lock(p.mutex);
   if (!p.enabled) return nullptr;
@@ -164,7 +229,7 @@ void* host_pool_take(size_t bytes) {
     ++p.over_cap;
     return nullptr;
   }
-  void* data = std::aligned_alloc(kHugePageBytes, need);
+  void* data = std::aligned_alloc(block_bytes, need);
   if (!data) {
     ++p.over_cap;  // the caller's own allocation reports running out of memory
     return nullptr;
@@ -220,8 +285,9 @@ HostPoolInfo host_pool_info() {
 
 void* host_alloc_zeroed(size_t bytes) {
   if (bytes == 0) return nullptr;
-  const bool large = bytes >= kHugePageBytes;
-  const size_t alignment = large ? kHugePageBytes : 64;
+  const size_t block_bytes = current_sizes().block_bytes;
+  const bool large = bytes >= block_bytes;
+  const size_t alignment = large ? block_bytes : 64;
   void* p = std::aligned_alloc(alignment, round_up(bytes, alignment));
   if (!p) return nullptr;
   if (!large) {
@@ -229,15 +295,15 @@ void* host_alloc_zeroed(size_t bytes) {
     return p;
   }
   advise_huge_pages(p, round_up(bytes, alignment));
-  // Each worker zeroes (and so first touches) whole 2 MiB pages of its own,
-  // in the static split the kernels' loops use. Not counted as a dispatch:
-  // allocation is not an op.
+  // Each worker zeroes (and so first touches) whole blocks of its own, in the
+  // static split the kernels' loops use. Not counted as a dispatch: allocation
+  // is not an op.
   auto* base = static_cast<unsigned char*>(p);
-  const int64_t pages = static_cast<int64_t>((bytes + kHugePageBytes - 1) / kHugePageBytes);
+  const int64_t pieces = static_cast<int64_t>((bytes + block_bytes - 1) / block_bytes);
 #pragma omp parallel for schedule(static) if (detail::parallel_allowed())
-  for (int64_t page = 0; page < pages; ++page) {
-    const size_t begin = static_cast<size_t>(page) * kHugePageBytes;
-    std::memset(base + begin, 0, std::min(kHugePageBytes, bytes - begin));
+  for (int64_t piece = 0; piece < pieces; ++piece) {
+    const size_t begin = static_cast<size_t>(piece) * block_bytes;
+    std::memset(base + begin, 0, std::min(block_bytes, bytes - begin));
   }
   return p;
 }

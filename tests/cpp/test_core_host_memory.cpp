@@ -2,10 +2,15 @@
 // a block is handed out again only after it is given back; best fit within 2x
 // of the request; the cap bounds what the pool holds; bad give-backs are
 // errors; concurrent take/give-back keeps every block with one owner; Buffer's
-// zeroed memory (threaded first touch) is zero.
+// zeroed memory (threaded first touch) is zero; page and huge-page sizes come
+// from the system, and 16 and 64 KiB pages (32 and 512 MiB huge pages) work
+// when injected.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <atomic>
+#include <fstream>
 #include <mutex>
 #include <cstdint>
 #include <cstring>
@@ -22,19 +27,25 @@ namespace {
 
 constexpr size_t kMiB = size_t{1} << 20;
 
+// The pool's arithmetic below is written for 4 KiB pages and 2 MiB huge pages
+// (x86-64, 4 KiB-page arm64): injected, so it holds on any system.
 class HostPool : public ::testing::Test {
  protected:
   void SetUp() override {
+    set_host_page_sizes_for_test(4096, 2 * kMiB);
     host_pool_configure(true, 64 * kMiB);
     host_pool_release_free();
   }
-  void TearDown() override { host_pool_configure(false, 0); }
+  void TearDown() override {
+    host_pool_configure(false, 0);
+    set_host_page_sizes_for_test(0, 0);
+  }
 };
 
 TEST_F(HostPool, BlockIsReusedOnlyAfterItIsGivenBack) {
   void* a = host_pool_take(5 * kMiB);
   ASSERT_NE(a, nullptr);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(a) % kHugePageBytes, 0u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a) % (2 * kMiB), 0u);
   std::memset(a, 1, 5 * kMiB);  // the whole request is usable
   void* b = host_pool_take(5 * kMiB);
   ASSERT_NE(b, nullptr);
@@ -138,14 +149,14 @@ TEST_F(HostPool, ConcurrentTakesNeverShareABlock) {
 }
 
 TEST(HostMemory, ZeroedMemoryIsZeroAndHugePageInfoIsConsistent) {
-  for (size_t bytes : {size_t{0}, size_t{1}, size_t{100}, 2 * kMiB, 5 * kMiB + 3}) {
+  for (size_t bytes : {size_t{0}, size_t{1}, size_t{100}, 2 * kMiB, 5 * kMiB + 3, 33 * kMiB}) {
     Buffer b(DType::kUInt8, {static_cast<int64_t>(bytes)});
     const auto* p = b.data_as<unsigned char>();
     size_t nonzero = 0;
     for (size_t i = 0; i < bytes; ++i) nonzero += p[i] != 0;
     EXPECT_EQ(nonzero, 0u) << bytes;
-    if (bytes >= 2 * kMiB) {
-      EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % kHugePageBytes, 0u);
+    if (bytes >= host_page_sizes().block_bytes) {
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % host_page_sizes().block_bytes, 0u);
     }
   }
   const bool previous = set_huge_pages(false);
@@ -159,6 +170,109 @@ TEST(HostMemory, ZeroedMemoryIsZeroAndHugePageInfoIsConsistent) {
     EXPECT_GE(info.advised_bytes, advised + 4 * kMiB);
   }
   set_huge_pages(previous);
+}
+
+TEST(HostMemory, PageSizesComeFromTheSystem) {
+  const HostPageSizes s = host_page_sizes();
+#if defined(__linux__)
+  EXPECT_EQ(s.page_bytes, static_cast<size_t>(sysconf(_SC_PAGESIZE)));
+#endif
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size");
+  size_t pmd = 0;
+  if (f >> pmd) {
+    EXPECT_EQ(s.huge_page_bytes, pmd);
+  } else {
+    EXPECT_EQ(s.huge_page_bytes, 0u);
+    EXPECT_EQ(huge_page_info().thp_mode, "none");
+  }
+  EXPECT_GE(s.block_bytes, s.page_bytes);
+  EXPECT_EQ(s.block_bytes % s.page_bytes, 0u);
+}
+
+// What an arm64 kernel with 16 or 64 KiB pages (or none with THP) would give:
+// blocks stay small (2 MiB, not a 512 MiB huge page), aligned and rounded to
+// the block size, whole pages; advice only where a block spans a huge page.
+struct Sizes {
+  size_t page, huge, block;
+};
+class InjectedPageSizes : public ::testing::TestWithParam<Sizes> {
+ protected:
+  void SetUp() override {
+    set_host_page_sizes_for_test(GetParam().page, GetParam().huge);
+    host_pool_configure(true, 256 * kMiB);
+    host_pool_release_free();
+  }
+  void TearDown() override {
+    host_pool_configure(false, 0);
+    set_host_page_sizes_for_test(0, 0);
+  }
+};
+
+TEST_P(InjectedPageSizes, BlocksFollowThePageSizes) {
+  const Sizes want = GetParam();
+  const HostPageSizes s = host_page_sizes();
+  EXPECT_EQ(s.page_bytes, want.page);
+  EXPECT_EQ(s.huge_page_bytes, want.huge);
+  EXPECT_EQ(s.block_bytes, want.block);
+  if (want.huge == 0) {
+    EXPECT_EQ(huge_page_info().thp_mode, "none");
+  }
+
+  for (size_t bytes : {want.block - 1, want.block, 3 * want.block + 5}) {
+    void* p = host_pool_take(bytes);
+    ASSERT_NE(p, nullptr) << bytes;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % want.block, 0u) << bytes;
+    std::memset(p, 7, bytes);
+    host_pool_give_back(p);
+  }
+  // Rounded to whole blocks: (block - 1) and block share one block, 3 block + 5 takes 4.
+  EXPECT_EQ(host_pool_info().cached_bytes, 5 * want.block);
+
+  for (size_t bytes : {want.block - 1, want.block + 3}) {
+    Buffer b(DType::kUInt8, {static_cast<int64_t>(bytes)});
+    const auto* p = b.data_as<unsigned char>();
+    if (bytes >= want.block) {
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % want.block, 0u);
+    }
+    size_t nonzero = 0;
+    for (size_t i = 0; i < bytes; ++i) nonzero += p[i] != 0;
+    EXPECT_EQ(nonzero, 0u) << bytes;
+  }
+
+  // A block smaller than a huge page is never advised (with 512 MiB huge
+  // pages, that is every block here).
+  const size_t advised = huge_page_info().advised_bytes;
+  Buffer below(DType::kUInt8, {static_cast<int64_t>(want.block)});
+  if (want.huge > want.block) {
+    EXPECT_EQ(huge_page_info().advised_bytes, advised);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(HostMemory, InjectedPageSizes,
+                         ::testing::Values(Sizes{4096, 2 * kMiB, 2 * kMiB},      // x86-64, arm64 4 KiB
+                                           Sizes{16384, 32 * kMiB, 32 * kMiB},   // arm64 16 KiB pages
+                                           Sizes{65536, 512 * kMiB, 2 * kMiB},   // arm64 64 KiB pages
+                                           Sizes{65536, 0, 2 * kMiB},            // 64 KiB, no THP
+                                           Sizes{4096, 0, 2 * kMiB}),
+                         [](const auto& info) {
+                           return "page" + std::to_string(info.param.page >> 10) + "k_huge" +
+                                  std::to_string(info.param.huge >> 20) + "m";
+                         });
+
+TEST(HostMemory, BadInjectedSizesNameTheArgument) {
+  auto message = [](size_t page, size_t huge) {
+    try {
+      set_host_page_sizes_for_test(page, huge);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message(1000, 2 * kMiB).find("argument 'page_bytes' must be a power of two"), std::string::npos);
+  EXPECT_NE(message(0, 2 * kMiB).find("argument 'page_bytes'"), std::string::npos);
+  EXPECT_NE(message(65536, 4096).find("argument 'huge_page_bytes' must be 0 or a power of two"), std::string::npos);
+  EXPECT_NE(message(4096, 3 * kMiB).find("(got 3145728)"), std::string::npos);
+  EXPECT_EQ(host_page_sizes().page_bytes, static_cast<size_t>(sysconf(_SC_PAGESIZE)));  // unchanged
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <optional>
@@ -654,6 +655,19 @@ TEST(Conformance, EveryImplementationAgreesWithTheReferenceOnEveryTarget) {
   const std::vector<OpCases> all = all_cases();
   std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
   ASSERT_FALSE(targets.empty());
+  // Which targets ran is part of the result (on aarch64 under qemu: NEON and
+  // the SVE targets qemu's CPU exposes); the CTest log and XML carry it.
+  std::string names;
+  for (int64_t target : targets) names += std::string(names.empty() ? "" : " ") + hwy::TargetName(target);
+  std::printf("Highway targets run: %s\n", names.c_str());
+  RecordProperty("highway_targets", names);
+#if HWY_ARCH_ARM_A64
+  EXPECT_NE((" " + names + " ").find(" NEON "), std::string::npos) << names;
+#elif HWY_ARCH_X86_64
+  // The lowest SIMD target Highway builds for a baseline x86-64 compile (SSE2 from Highway 1.1).
+  const std::string padded = " " + names + " ";
+  EXPECT_TRUE(padded.find(" SSSE3 ") != std::string::npos || padded.find(" SSE2 ") != std::string::npos) << names;
+#endif
   for (int64_t target : targets) {
     hwy::SetSupportedTargetsForTest(target);
     size_t ran = 0;
@@ -664,6 +678,52 @@ TEST(Conformance, EveryImplementationAgreesWithTheReferenceOnEveryTarget) {
     EXPECT_GT(ran, 0u);
   }
   hwy::SetSupportedTargetsForTest(0);  // back to the best target
+}
+
+// The bitwise outputs of every case, from fixed seeds, folded into one
+// FNV-1a digest per op / case / implementation: the same lines on every
+// architecture (make test-aarch64 diffs the x86-64 run's against the arm64
+// run's under qemu). Written where LEANSTEP_CONFORMANCE_DIGEST names a file.
+uint64_t fnv1a(uint64_t h, const void* data, size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+TEST(Conformance, BitwiseOutputsHaveTheSameDigestOnEveryArchitecture) {
+  const char* path = std::getenv("LEANSTEP_CONFORMANCE_DIGEST");
+  std::string lines;
+  size_t digested = 0;
+  for (const OpCases& spec : all_cases()) {
+    const dispatch::OpBase& op = dispatch::registry().op(spec.op);
+    std::vector<std::string> impls = {op.reference_name()};
+    for (const std::string& impl : op.installed()) impls.push_back(impl);
+    for (const Case& c : spec.cases) {
+      for (const std::string& impl : impls) {
+        for (uint64_t seed : {uint64_t{20261202}, uint64_t{7}}) {
+          const std::optional<Outputs> got = c.run(impl, seed);
+          if (!got) continue;
+          uint64_t h = 14695981039346656037ull;
+          for (const Output& o : *got) {
+            if (o.rel_ulps != 0 || !o.bound.empty()) continue;  // not bitwise on one machine either
+            h = fnv1a(h, o.name.data(), o.name.size());
+            h = fnv1a(h, o.value.data(), o.value.nbytes());
+            ++digested;
+          }
+          char buf[32];
+          std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+          lines += spec.op + " / " + c.name + " / " + impl + " / seed " + std::to_string(seed) + ": " + buf + "\n";
+        }
+      }
+    }
+  }
+  EXPECT_GT(digested, 0u);
+  if (path && *path) {
+    std::FILE* f = std::fopen(path, "w");
+    ASSERT_NE(f, nullptr) << path;
+    std::fputs(lines.c_str(), f);
+    std::fclose(f);
+  }
 }
 
 // The harness itself: an implementation that is wrong by one bit in one

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# make test-aarch64: the C++ library and its tests cross-built for 64-bit Arm
+# (the Ascend hosts' CPU) and run under qemu-user, in four passes:
+#   1. the tests (AARCH64_AREAS, e.g. "grad moe": those areas' test programs;
+#      empty: all), 4 KiB pages,
+#      qemu's default CPU (NEON, SVE and SVE2 at 512 bits);
+#   2. the host-memory tests and the conformance harness with 64 KiB pages
+#      (qemu's -p: the guest's sysconf page size);
+#   3. the conformance harness with SVE vectors of 128, 256 and 2048 bits
+#      (every Highway target each exposes, listed as it runs);
+#   4. the digests of every bitwise conformance output, diffed against the
+#      x86-64 build's: arm64 must give the same bits wherever x86-64 is bitwise.
+# Installs what is missing first (Debian's arm64 packages, as root).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+JOBS=${JOBS:-$(nproc)}
+AREAS=${AARCH64_AREAS:-}
+# The programs passes 2 to 4 need.
+HARNESS=test_dispatch_conformance
+HOST_MEMORY=test_core_host_memory
+
+install_missing() {
+  local packages=(g++-aarch64-linux-gnu qemu-user-static libhwy-dev:arm64 libgtest-dev:arm64
+                  libfmt-dev:arm64 libopenblas-dev:arm64 libgomp1:arm64)
+  local missing=()
+  for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "installing arm64 packages: ${missing[*]}"
+  local sudo=""
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { echo "need root (or sudo) to install: ${missing[*]}" >&2; exit 1; }
+    sudo=sudo
+  fi
+  dpkg --print-foreign-architectures | grep -qx arm64 || $sudo dpkg --add-architecture arm64
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -q
+  $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+}
+
+install_missing
+QEMU=$(command -v qemu-aarch64-static || command -v qemu-aarch64)
+run_arm() { "$QEMU" -L / "$@"; }
+
+cmake --preset aarch64 >/dev/null
+labels=()
+if [ -z "$AREAS" ]; then
+  cmake --build --preset aarch64 -j "$JOBS"
+else
+  # The areas' test programs (tests/cpp/test_<area>[_<what>].cpp, labelled <area>).
+  programs=()
+  for area in $AREAS; do
+    for src in tests/cpp/test_"$area".cpp tests/cpp/test_"$area"_*.cpp; do
+      [ -e "$src" ] && programs+=("$(basename "$src" .cpp)")
+    done
+  done
+  [ ${#programs[@]} -gt 0 ] || { echo "AARCH64_AREAS='$AREAS' names no test program" >&2; exit 1; }
+  cmake --build --preset aarch64 -j "$JOBS" --target "${programs[@]}" $HARNESS $HOST_MEMORY
+  labels=(-L "^($(echo $AREAS | tr ' ' '|'))\$")
+fi
+
+echo "== 1. tests, 4 KiB pages, qemu's default CPU${AREAS:+ (areas: $AREAS)}"
+ctest --preset aarch64 -j "$JOBS" --no-tests=error "${labels[@]}"
+
+echo "== 2. 64 KiB pages"
+QEMU_PAGESIZE=65536 run_arm build/aarch64/tests/cpp/$HOST_MEMORY --gtest_brief=1
+QEMU_PAGESIZE=65536 run_arm build/aarch64/tests/cpp/$HARNESS --gtest_brief=1 \
+  --gtest_filter='Conformance.EveryImplementation*'
+
+echo "== 3. SVE vector lengths"
+for bytes in 16 32 256; do
+  echo "-- SVE vectors of $((bytes * 8)) bits"
+  QEMU_CPU="max,sve-default-vector-length=$bytes" run_arm build/aarch64/tests/cpp/$HARNESS --gtest_brief=1 \
+    --gtest_filter='Conformance.EveryImplementation*' | grep -E "Highway targets run|PASSED|FAILED"
+done
+
+echo "== 4. bitwise outputs, arm64 against x86-64"
+cmake --preset release >/dev/null
+cmake --build --preset release -j "$JOBS" --target $HARNESS
+digests=build/aarch64/digests
+mkdir -p $digests
+LEANSTEP_CONFORMANCE_DIGEST=$digests/x86_64.txt build/release/tests/cpp/$HARNESS --gtest_brief=1 \
+  --gtest_filter='Conformance.BitwiseOutputs*'
+LEANSTEP_CONFORMANCE_DIGEST=$digests/aarch64.txt run_arm build/aarch64/tests/cpp/$HARNESS --gtest_brief=1 \
+  --gtest_filter='Conformance.BitwiseOutputs*'
+if ! diff -u $digests/x86_64.txt $digests/aarch64.txt; then
+  echo "aarch64: bitwise outputs differ from x86-64 (above: op / case / implementation / seed)" >&2
+  exit 1
+fi
+echo "aarch64: $(wc -l <$digests/aarch64.txt) op / case / implementation / seed digests identical to x86-64"
