@@ -156,7 +156,9 @@ def dtype_name(x):
 #   kernel first writes it (the kernels' threads then touch the pages they
 #   write), so its first use faults 512 times less often.
 
-_HUGE = 1 << 21  # 2 MiB: the x86-64 / arm64 transparent huge page
+# Outputs of a block or more (2 MiB on x86-64 and 4 KiB-page arm64, from the
+# system's page sizes: include/leanstep/host_memory.h) are pooled and advised.
+_HUGE = _leanstep.huge_page_info()["block_bytes"]
 
 
 def _physical_memory():
@@ -210,7 +212,10 @@ def set_huge_pages(enabled):
 
 
 def huge_pages():
-    """``{"enabled", "thp_mode", "advised_bytes"}``: the setting and what it did."""
+    """``{"enabled", "thp_mode", "advised_bytes", "page_bytes", "huge_page_bytes",
+    "block_bytes"}``: the setting, what it did, and the system's page sizes
+    (``block_bytes``: from which size outputs are pooled and advised; the huge
+    page up to 32 MiB, else 2 MiB)."""
     return _leanstep.huge_page_info()
 
 

@@ -79,6 +79,9 @@ void bind_host_memory(nb::module_& m) {
     d["enabled"] = info.enabled;
     d["thp_mode"] = info.thp_mode;
     d["advised_bytes"] = info.advised_bytes;
+    d["page_bytes"] = info.sizes.page_bytes;
+    d["huge_page_bytes"] = info.sizes.huge_page_bytes;
+    d["block_bytes"] = info.sizes.block_bytes;
     return d;
   });
   m.def("advise_huge_pages", [](uintptr_t address, size_t bytes) {

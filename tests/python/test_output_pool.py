@@ -241,3 +241,20 @@ def test_import_with_a_too_large_cap_says_why():
                           text=True, timeout=120)
     assert proc.returncode != 0
     assert "LEANSTEP_OUTPUT_POOL must be 'on'" in proc.stderr, proc.stderr
+
+
+def test_page_sizes_come_from_the_system():
+    info = leanstep.huge_pages()
+    assert info["page_bytes"] == os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            pmd = int(f.read())
+    except OSError:
+        pmd = 0
+    assert info["huge_page_bytes"] == pmd
+    # The pooled-block unit: the huge page up to 32 MiB, else 2 MiB (a 64 KiB-page
+    # arm64 kernel's 512 MiB huge page would make every output a 512 MiB block).
+    expected = pmd if 0 < pmd <= 32 << 20 else max(info["page_bytes"], 2 << 20)
+    assert info["block_bytes"] == expected
+    if pmd == 0:
+        assert info["thp_mode"] == "none"
