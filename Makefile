@@ -93,7 +93,8 @@ endif
 # The C++ library and tests cross-built for aarch64 and run under qemu-user:
 # 4 KiB and 64 KiB pages, SVE at four vector lengths, bitwise outputs diffed
 # against x86-64's (scripts/test-aarch64.sh). AARCH64_AREAS narrows pass 1 to
-# some areas' tests (CI: grad rmsnorm moe dispatch core); by default, all.
+# some areas' tests, plus the harness and the host-memory tests (CI: grad
+# rmsnorm moe); by default, all.
 AARCH64_AREAS ?=
 test-aarch64: sysdeps
 	AARCH64_AREAS="$(AARCH64_AREAS)" JOBS=$(JOBS) scripts/test-aarch64.sh

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # make test-aarch64: the C++ library and its tests cross-built for 64-bit Arm
 # (the Ascend hosts' CPU) and run under qemu-user, in four passes:
-#   1. the tests (AARCH64_AREAS, e.g. "grad moe": those areas' test programs;
-#      empty: all), 4 KiB pages,
+#   1. the tests (AARCH64_AREAS, e.g. "grad moe": those areas' test programs,
+#      the conformance harness and the host-memory tests; empty: all), 4 KiB pages,
 #      qemu's default CPU (NEON, SVE and SVE2 at 512 bits);
 #   2. the host-memory tests and the conformance harness with 64 KiB pages
 #      (qemu's -p: the guest's sysconf page size);
@@ -24,7 +24,7 @@ install_missing() {
                   libfmt-dev:arm64 libopenblas-dev:arm64 libgomp1:arm64)
   local missing=()
   for p in "${packages[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] || missing+=("$p")
   done
   [ ${#missing[@]} -eq 0 ] && return 0
   echo "installing arm64 packages: ${missing[*]}"
@@ -40,7 +40,8 @@ install_missing() {
 }
 
 install_missing
-QEMU=$(command -v qemu-aarch64-static || command -v qemu-aarch64)
+QEMU=$(command -v qemu-aarch64-static || command -v qemu-aarch64) ||
+  { echo "test-aarch64: no qemu-aarch64-static on PATH (Debian: qemu-user-static)" >&2; exit 1; }
 run_arm() { "$QEMU" -L / "$@"; }
 
 cmake --preset aarch64 >/dev/null
@@ -60,19 +61,29 @@ else
   labels=(-L "^($(echo $AREAS | tr ' ' '|'))\$")
 fi
 
-echo "== 1. tests, 4 KiB pages, qemu's default CPU${AREAS:+ (areas: $AREAS)}"
+echo "== 1. tests, 4 KiB pages, qemu's default CPU${AREAS:+ (areas: $AREAS, the harness, host memory)}"
 ctest --preset aarch64 -j "$JOBS" --no-tests=error "${labels[@]}"
+if [ -n "$AREAS" ]; then
+  ctest --preset aarch64 -j "$JOBS" --no-tests=error -R '^(Conformance\.|HostPool\.|HostMemory)'
+fi
 
 echo "== 2. 64 KiB pages"
-QEMU_PAGESIZE=65536 run_arm build/aarch64/tests/cpp/$HOST_MEMORY --gtest_brief=1
+# LEANSTEP_EXPECT_PAGE_BYTES: the test checks that the emulated system really
+# reports 64 KiB (the huge page stays the host's, read through qemu).
+QEMU_PAGESIZE=65536 LEANSTEP_EXPECT_PAGE_BYTES=65536 run_arm build/aarch64/tests/cpp/$HOST_MEMORY --gtest_brief=1
 QEMU_PAGESIZE=65536 run_arm build/aarch64/tests/cpp/$HARNESS --gtest_brief=1 \
   --gtest_filter='Conformance.EveryImplementation*'
 
 echo "== 3. SVE vector lengths"
 for bytes in 16 32 256; do
   echo "-- SVE vectors of $((bytes * 8)) bits"
-  QEMU_CPU="max,sve-default-vector-length=$bytes" run_arm build/aarch64/tests/cpp/$HARNESS --gtest_brief=1 \
-    --gtest_filter='Conformance.EveryImplementation*' | grep -E "Highway targets run|PASSED|FAILED"
+  log=build/aarch64/sve-$((bytes * 8)).log
+  if ! QEMU_CPU="max,sve-default-vector-length=$bytes" run_arm build/aarch64/tests/cpp/$HARNESS \
+      --gtest_brief=1 --gtest_filter='Conformance.EveryImplementation*' >"$log" 2>&1; then
+    cat "$log"
+    exit 1
+  fi
+  grep -E "Highway targets run|PASSED" "$log"
 done
 
 echo "== 4. bitwise outputs, arm64 against x86-64"
@@ -80,10 +91,14 @@ cmake --preset release >/dev/null
 cmake --build --preset release -j "$JOBS" --target $HARNESS
 digests=build/aarch64/digests
 mkdir -p $digests
+rm -f $digests/x86_64.txt $digests/aarch64.txt
 LEANSTEP_CONFORMANCE_DIGEST=$digests/x86_64.txt build/release/tests/cpp/$HARNESS --gtest_brief=1 \
   --gtest_filter='Conformance.BitwiseOutputs*'
 LEANSTEP_CONFORMANCE_DIGEST=$digests/aarch64.txt run_arm build/aarch64/tests/cpp/$HARNESS --gtest_brief=1 \
   --gtest_filter='Conformance.BitwiseOutputs*'
+for f in $digests/x86_64.txt $digests/aarch64.txt; do
+  [ -s "$f" ] || { echo "test-aarch64: no digests written to $f" >&2; exit 1; }
+done
 if ! diff -u $digests/x86_64.txt $digests/aarch64.txt; then
   echo "aarch64: bitwise outputs differ from x86-64 (above: op / case / implementation / seed)" >&2
   exit 1

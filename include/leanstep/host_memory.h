@@ -5,10 +5,10 @@
 // that writes it: glibc maps every block over 32 MiB anew and unmaps it when it
 // is freed. The pool keeps such blocks once their output is gone, so a later
 // output of a similar size finds its pages mapped (the caching idea of the
-// frameworks' device allocators). Blocks are aligned to block_bytes (below: the
-// huge page, 2 MiB on x86-64) and, when the kernel's transparent-huge-page mode allows
-// it, advised as huge pages before their first write, which the kernels' threads then do on the pages they own.
-// The library's ops never allocate outputs; the Python package and Buffer do.
+// frameworks' device allocators). Blocks are aligned to block_bytes (below:
+// the huge page, 2 MiB on x86-64) and, when the kernel's transparent-huge-page
+// mode allows it, advised as huge pages before their first write, which the
+// kernels' threads then do on the pages they own. The library's ops never allocate outputs; the Python package and Buffer do.
 #pragma once
 
 #include <cstddef>
@@ -36,7 +36,8 @@ inline constexpr size_t kMaxBlockBytes = size_t{32} << 20;
 HostPageSizes host_page_sizes();
 // For tests: behave as on a system with these sizes (page_bytes a power of two
 // from 4 KiB to 1 MiB; huge_page_bytes 0 or a power-of-two multiple of it).
-// (0, 0) reads the system's again. Free pool blocks are released.
+// (0, 0) reads the system's again. Free pool blocks are released; refused
+// while any is taken. Not for use while other threads allocate.
 void set_host_page_sizes_for_test(size_t page_bytes, size_t huge_page_bytes);
 
 // -- huge pages

@@ -149,8 +149,8 @@ def dtype_name(x):
 # freed). The C++ library's host memory (include/leanstep/host_memory.h) has
 # two remedies, both on by default here:
 #
-# - the output pool: CPU outputs of 2 MiB or more come from blocks leanstep
-#   keeps once their previous output is gone (the array's memory released:
+# - the output pool: CPU outputs of a block (2 MiB on x86-64) or more come
+#   from blocks leanstep keeps once their previous output is gone (the array's memory released:
 #   the DLPack owner is destroyed), so their pages are already mapped;
 # - huge pages: a new block is advised as transparent huge pages before the
 #   kernel first writes it (the kernels' threads then touch the pages they
@@ -158,7 +158,7 @@ def dtype_name(x):
 
 # Outputs of a block or more (2 MiB on x86-64 and 4 KiB-page arm64, from the
 # system's page sizes: include/leanstep/host_memory.h) are pooled and advised.
-_HUGE = _leanstep.huge_page_info()["block_bytes"]
+_BLOCK = _leanstep.huge_page_info()["block_bytes"]
 
 
 def _physical_memory():
@@ -173,8 +173,10 @@ DEFAULT_POOL_CAP = min(_physical_memory() // 8, 16 << 30)
 
 #: The largest pool cap (bytes): the C++ pool counts bytes in a signed 64-bit integer.
 MAX_POOL_CAP = (1 << 63) - 1
+_MIN_POOL_CAP_MIB = max(2, _BLOCK >> 20)  # one block
 _POOL_ENV_RULE = ("LEANSTEP_OUTPUT_POOL must be 'on' (the default cap), 'off' (or 0), or a cap in "
-                  f"MiB from 2 to {MAX_POOL_CAP >> 20} (pooled blocks are 2 MiB or more)")
+                  f"MiB from {_MIN_POOL_CAP_MIB} to {MAX_POOL_CAP >> 20} "
+                  f"(pooled blocks are {_BLOCK >> 20} MiB or more)")
 
 
 def _parse_pool_env():
@@ -190,7 +192,7 @@ def _parse_pool_env():
         mib = int(value)
     except ValueError:
         raise Error(f"{_POOL_ENV_RULE} (got {value!r})") from None
-    if not 2 <= mib <= MAX_POOL_CAP >> 20:
+    if not _MIN_POOL_CAP_MIB <= mib <= MAX_POOL_CAP >> 20:
         raise Error(f"{_POOL_ENV_RULE} (got {value!r})")
     return True, mib << 20
 
@@ -201,7 +203,8 @@ _leanstep.host_pool_configure(*_parse_pool_env())
 def set_huge_pages(enabled):
     """Whether memory leanstep allocates for its outputs (never the caller's
     ``out=`` arrays) is advised as transparent huge pages before its first
-    write: only blocks of 2 MiB or more, only their 2 MiB-aligned part, only
+    write: only blocks spanning a huge page (2 MiB on x86-64), only their
+    huge-page-aligned part, only
     when the kernel's THP mode is "madvise" or "always". On by default;
     ``set_huge_pages(False)`` or ``LEANSTEP_HUGE_PAGES=0`` turns it off.
     Where THP defrag is "madvise", the first fault in an advised block may
@@ -238,8 +241,8 @@ def set_output_pool(enabled=None, cap_bytes=None):
 
 
 def output_pool():
-    """The output pool: CPU outputs of 2 MiB or more that leanstep allocates
-    (torch tensors and NumPy arrays) come from blocks whose pages are already
+    """The output pool: CPU outputs of a block (2 MiB on x86-64) or more that
+    leanstep allocates (torch tensors and NumPy arrays) come from blocks whose pages are already
     mapped, once the array that last used a block is gone: no first-touch
     faults. A block is handed out again only after its array's memory is
     released (views, NumPy arrays, DLPack exports and autograd's saved
@@ -259,8 +262,8 @@ def empty_cache():
 def empty(shape, dtype, like):
     """An uninitialised array of `shape` and `dtype` (a name such as
     "bfloat16") in the framework of `like`, on its device. CPU arrays of
-    2 MiB or more come from the output pool (:func:`output_pool`), or else are
-    advised as huge pages (:func:`set_huge_pages`)."""
+    a block (2 MiB on x86-64) or more come from the output pool
+    (:func:`output_pool`), or else are advised as huge pages (:func:`set_huge_pages`)."""
     shape = tuple(map(int, shape))
     torch = torch_module()
     torch_like = torch is not None and isinstance(like, torch.Tensor)
@@ -269,9 +272,9 @@ def empty(shape, dtype, like):
     if not torch_like and dtype == "bfloat16":
         raise Error("argument of dtype bfloat16 needs torch tensors (NumPy has no bfloat16)")
     nbytes = math.prod(shape) * _ITEMSIZE[dtype]
-    if torch_like and nbytes < _HUGE:
+    if torch_like and nbytes < _BLOCK:
         return torch.empty(shape, dtype=getattr(torch, dtype))  # the common small output
-    if nbytes >= _HUGE:
+    if nbytes >= _BLOCK:
         out = _leanstep.pool_array(shape, dtype, torch_like)
         if out is not None:
             return out
@@ -281,7 +284,7 @@ def empty(shape, dtype, like):
     else:
         out = np.empty(shape, dtype=_NUMPY_DTYPES[dtype])
         address = out.ctypes.data
-    if nbytes >= _HUGE:
+    if nbytes >= _BLOCK:
         _leanstep.advise_huge_pages(address, nbytes)
     return out
 

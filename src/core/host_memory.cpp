@@ -2,6 +2,7 @@
 #include "leanstep/host_memory.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -162,23 +163,33 @@ HugePageInfo huge_page_info() {
 HostPageSizes host_page_sizes() { return current_sizes(); }
 
 void set_host_page_sizes_for_test(size_t page_bytes, size_t huge_page_bytes) {
+  constexpr const char* kWhere = "set_host_page_sizes_for_test";
   HostPageSizes next;
   if (page_bytes == 0 && huge_page_bytes == 0) {
     next = system_sizes();
   } else {
     if (!power_of_two(page_bytes) || page_bytes < 4096 || page_bytes > (size_t{1} << 20))
-      throw_arg_error("set_host_page_sizes_for_test", "page_bytes", "must be a power of two from 4096 to 1048576 (got " + std::to_string(page_bytes) + ")");
+      throw_arg_error(kWhere, "page_bytes",
+                      "must be a power of two from 4096 to 1048576 (got " + std::to_string(page_bytes) + ")");
     if (huge_page_bytes != 0 && (!power_of_two(huge_page_bytes) || huge_page_bytes < page_bytes))
-      throw_arg_error("set_host_page_sizes_for_test", "huge_page_bytes",
-                      "must be 0 or a power of two of at least page_bytes (got " + std::to_string(huge_page_bytes) + ")");
+      throw_arg_error(kWhere, "huge_page_bytes",
+                      "must be 0 or a power of two of at least page_bytes (got " + std::to_string(huge_page_bytes) +
+                          "; page_bytes is " + std::to_string(page_bytes) + ")");
     next = derive_sizes(page_bytes, huge_page_bytes);
   }
-  {
-    PageSizes& p = page_sizes();
-    std::lock_guard<std::mutex> lock(p.mutex);
-    p.sizes = next;
-  }
-  host_pool_release_free();
+  // Under the pool's lock (then the sizes' lock, the order host_pool_take
+  // uses): no block of the old sizes may stay in the pool.
+  Pool& pool_state = pool();
+  std::lock_guard<std::mutex> pool_lock(pool_state.mutex);
+  int64_t taken = 0;
+  for (const Block& b : pool_state.blocks) taken += b.taken;
+  if (taken != 0)
+    throw_arg_error(kWhere, "page_bytes",
+                    "cannot change while pool blocks are taken (" + std::to_string(taken) + " taken)");
+  pool_state.release_until(0);
+  PageSizes& sizes = page_sizes();
+  std::lock_guard<std::mutex> lock(sizes.mutex);
+  sizes.sizes = next;
 }
 
 void advise_huge_pages(void* p, size_t bytes) {
@@ -205,11 +216,12 @@ void advise_huge_pages(void* p, size_t bytes) {
 
 void* host_pool_take(size_t bytes) {
   if (bytes == 0) return nullptr;
-  const size_t block_bytes = current_sizes().block_bytes;
-  const size_t need = round_up(bytes, block_bytes);
   Pool& p = pool();
   std::lock_guard<std::mutex> lock(p.mutex);
   if (!p.enabled) return nullptr;
+  const size_t block_bytes = current_sizes().block_bytes;  // under the pool's lock: see set_host_page_sizes_for_test
+  if (bytes > SIZE_MAX - block_bytes) return nullptr;       // would wrap; the caller's allocation reports it
+  const size_t need = round_up(bytes, block_bytes);
   ++p.clock;
   Block* best = nullptr;
   for (Block& b : p.blocks) {
@@ -286,6 +298,7 @@ HostPoolInfo host_pool_info() {
 void* host_alloc_zeroed(size_t bytes) {
   if (bytes == 0) return nullptr;
   const size_t block_bytes = current_sizes().block_bytes;
+  if (bytes > SIZE_MAX - block_bytes) return nullptr;  // out of memory, not a wrapped size
   const bool large = bytes >= block_bytes;
   const size_t alignment = large ? block_bytes : 64;
   void* p = std::aligned_alloc(alignment, round_up(bytes, alignment));
