@@ -8,7 +8,8 @@
 // frameworks' device allocators). Blocks are aligned to block_bytes (below:
 // the huge page, 2 MiB on x86-64) and, when the kernel's transparent-huge-page
 // mode allows it, advised as huge pages before their first write, which the
-// kernels' threads then do on the pages they own. The library's ops never allocate outputs; the Python package and Buffer do.
+// kernels' threads then do on the pages they own. The library's ops never
+// allocate outputs; the Python package and Buffer do.
 #pragma once
 
 #include <cstddef>
@@ -92,8 +93,8 @@ HostPoolInfo host_pool_info();
 
 // Zeroed host memory, 64-byte aligned (from block_bytes: aligned to it and
 // advised as huge pages, the zero fill on the worker threads, each first
-// touching the pages of its own share). What Buffer uses. nullptr if out of memory; free
-// with std::free.
+// touching the pages of its own share). What Buffer uses. nullptr if out of
+// memory; free with std::free.
 void* host_alloc_zeroed(size_t bytes);
 
 }  // namespace leanstep

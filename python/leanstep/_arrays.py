@@ -150,8 +150,9 @@ def dtype_name(x):
 # two remedies, both on by default here:
 #
 # - the output pool: CPU outputs of a block (2 MiB on x86-64) or more come
-#   from blocks leanstep keeps once their previous output is gone (the array's memory released:
-#   the DLPack owner is destroyed), so their pages are already mapped;
+#   from blocks leanstep keeps once their previous output is gone (the
+#   array's memory released: the DLPack owner is destroyed), so their pages
+#   are already mapped;
 # - huge pages: a new block is advised as transparent huge pages before the
 #   kernel first writes it (the kernels' threads then touch the pages they
 #   write), so its first use faults 512 times less often.
@@ -173,7 +174,7 @@ DEFAULT_POOL_CAP = min(_physical_memory() // 8, 16 << 30)
 
 #: The largest pool cap (bytes): the C++ pool counts bytes in a signed 64-bit integer.
 MAX_POOL_CAP = (1 << 63) - 1
-_MIN_POOL_CAP_MIB = max(2, _BLOCK >> 20)  # one block
+_MIN_POOL_CAP_MIB = _BLOCK >> 20  # one block (never under 2 MiB)
 _POOL_ENV_RULE = ("LEANSTEP_OUTPUT_POOL must be 'on' (the default cap), 'off' (or 0), or a cap in "
                   f"MiB from {_MIN_POOL_CAP_MIB} to {MAX_POOL_CAP >> 20} "
                   f"(pooled blocks are {_BLOCK >> 20} MiB or more)")

@@ -219,7 +219,7 @@ def test_bad_environment_names_the_rule(monkeypatch, value):
     from leanstep import _arrays
 
     monkeypatch.setenv("LEANSTEP_OUTPUT_POOL", value)
-    least = max(2, leanstep.huge_pages()["block_bytes"] >> 20)  # one block
+    least = leanstep.huge_pages()["block_bytes"] >> 20  # one block
     with pytest.raises(leanstep.Error, match="LEANSTEP_OUTPUT_POOL must be 'on' .* or a cap in MiB "
                                              f"from {least} to .*got '{re.escape(value)}'"):
         _arrays._parse_pool_env()
