@@ -8,6 +8,7 @@
 
 #include "leanstep/checked.h"
 #include "leanstep/lora.h"
+#include "core/json_integer.h"
 
 namespace leanstep::lora {
 namespace {
@@ -57,11 +58,9 @@ class KeyReader {
     const json& v = obj_.at(key);
     if (!v.is_array()) fail(key, fmt::format("must be a list of integers (got {})", v.dump()));
     for (const json& e : v) {
-      // Above 2^63 - 1 nlohmann holds an unsigned value: never wrap it to a negative one.
-      if (!e.is_number_integer() ||
-          (e.is_number_unsigned() && e.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)))
-        fail(key, fmt::format("must be a list of integers (got {})", v.dump()));
-      out.push_back(e.get<int64_t>());
+      const std::optional<int64_t> value = json_integer<int64_t>(e);
+      if (!value) fail(key, fmt::format("must be a list of integers (got {})", v.dump()));
+      out.push_back(*value);
     }
     return out;
   }
@@ -80,16 +79,20 @@ class KeyReader {
   int64_t checked_integer(const char* key, int64_t min_value) const {
     const json& v = obj_.at(key);
     const int64_t max_value = max_config_value(key);
-    // Accept 4096.0 as written by some exporters, but not 4096.5 or "4096".
-    const bool in_double_range = v.is_number_float() && std::fabs(v.get<double>()) < 0x1p62;
-    bool integral = v.is_number_integer() ||
-                    (in_double_range && v.get<double>() == std::floor(v.get<double>()));
-    if (v.is_number_float() && !in_double_range && std::isfinite(v.get<double>()))
-      fail(key, fmt::format("must be <= {} (got {})", max_value, v.dump()));
-    if (!integral) fail(key, fmt::format("must be an integer (got {})", v.dump()));
-    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(max_value))
-      fail(key, fmt::format("must be <= {} (got {})", max_value, v.dump()));
-    int64_t value = v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(v.get<double>());
+    int64_t value = 0;
+    if (v.is_number_integer()) {
+      const std::optional<int64_t> integer = json_integer<int64_t>(v);
+      if (!integer) fail(key, fmt::format("must be <= {} (got {})", max_value, v.dump()));  // above 2^63 - 1
+      value = *integer;
+    } else {
+      // Accept 4096.0 as written by some exporters, but not 4096.5 or "4096".
+      const bool finite = v.is_number_float() && std::isfinite(v.get<double>());
+      if (finite && std::fabs(v.get<double>()) >= 0x1p62)
+        fail(key, fmt::format("must be <= {} (got {})", max_value, v.dump()));
+      if (!finite || v.get<double>() != std::floor(v.get<double>()))
+        fail(key, fmt::format("must be an integer (got {})", v.dump()));
+      value = static_cast<int64_t>(v.get<double>());
+    }
     if (value < min_value) fail(key, fmt::format("must be >= {} (got {})", min_value, value));
     if (value > max_value) fail(key, fmt::format("must be <= {} (got {})", max_value, value));
     return value;

@@ -12,6 +12,7 @@
 #include <unordered_map>
 
 #include "leanstep/lora.h"
+#include "core/json_integer.h"
 
 namespace leanstep::lora {
 namespace {
@@ -26,9 +27,9 @@ using RankKey = std::tuple<int64_t, int64_t, int64_t>;
 int64_t rank_index(const json& rank, const char* key, std::string_view source, size_t i) {
   if (!rank.contains(key)) return 0;
   const json& v = rank[key];
-  if (!v.is_number_integer() || v.get<int64_t>() < 0)
-    bad(source, fmt::format("ranks[{}].{} must be an integer >= 0 (got {})", i, key, v.dump()));
-  return v.get<int64_t>();
+  const std::optional<int64_t> value = json_integer<int64_t>(v);
+  if (!value || *value < 0) bad(source, fmt::format("ranks[{}].{} must be an integer >= 0 (got {})", i, key, v.dump()));
+  return *value;
 }
 
 std::string rank_label(const RankKey& k) {
@@ -89,9 +90,10 @@ std::vector<RankLayout> read_rank_layouts(const json& doc, std::string_view sour
       spec.name = t["name"].get<std::string>();
       if (!t.contains("shape") || !t["shape"].is_array()) bad(source, where + ".shape is missing or not a list");
       for (const json& d : t["shape"]) {
-        if (!d.is_number_integer() || d.get<int64_t>() < 0)
+        const std::optional<int64_t> extent = json_integer<int64_t>(d);
+        if (!extent || *extent < 0)
           bad(source, fmt::format("{}.shape must hold integers >= 0 (got {})", where, t["shape"].dump()));
-        spec.shape.push_back(d.get<int64_t>());
+        spec.shape.push_back(*extent);
       }
       if (!t.contains("dtype") || !t["dtype"].is_string()) bad(source, where + ".dtype is missing or not a string");
       std::string dtype = t["dtype"].get<std::string>();

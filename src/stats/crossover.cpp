@@ -15,6 +15,7 @@
 #include "leanstep/checked.h"
 #include "leanstep/core.h"
 #include "leanstep/stats.h"
+#include "core/json_integer.h"
 #include "stats/util.h"
 
 namespace leanstep::stats {
@@ -271,11 +272,9 @@ CrossoverPlan plan_from_json(const json& j, const std::string& name) {
       if (!fallback) bad(fmt::format("malformed crossover plan (key '{}' not found)", key));
       return *fallback;
     }
-    const json& v = j.at(key);
-    if (!v.is_number_integer() ||
-        (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)))
-      bad(fmt::format("'{}' must be an integer in [0, 2^40] (got {})", key, v.dump()));
-    return v.get<int64_t>();
+    const std::optional<int64_t> value = json_integer<int64_t>(j.at(key));
+    if (!value) bad(fmt::format("'{}' must be an integer in [0, 2^40] (got {})", key, j.at(key).dump()));
+    return *value;
   };
   CrossoverPlan p;
   try {

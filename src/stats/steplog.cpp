@@ -18,6 +18,7 @@
 
 #include "leanstep/core.h"
 #include "leanstep/stats.h"
+#include "core/json_integer.h"
 #include "stats/util.h"
 
 namespace leanstep::stats {
@@ -171,12 +172,11 @@ void check_record(const StepRecord& r, const std::string& name, int64_t line) {
 
 int64_t json_int(const json& obj, const char* key, const std::string& name, int64_t line) {
   const json& v = obj.at(key);
-  if (!v.is_number_integer())
+  const std::optional<int64_t> value = json_integer<int64_t>(v);
+  if (!value && !v.is_number_integer())
     fail_at(name, line, fmt::format("'{}' must be an integer (got {})", key, short_value(v.dump())));
-  // Above 2^63 - 1 nlohmann holds an unsigned value: never wrap it to a negative one.
-  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
-    fail_at(name, line, fmt::format("'{}' must be at most 2^62 (got {})", key, v.dump()));
-  return v.get<int64_t>();
+  if (!value) fail_at(name, line, fmt::format("'{}' must be at most 2^62 (got {})", key, v.dump()));
+  return *value;
 }
 
 double json_number(const json& obj, const char* key, const std::string& name, int64_t line,

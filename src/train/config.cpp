@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <type_traits>
 
@@ -13,6 +14,7 @@
 
 #include "leanstep/checked.h"
 #include "leanstep/train.h"
+#include "core/json_integer.h"
 
 namespace leanstep::train {
 
@@ -35,25 +37,21 @@ void read_key(const json& obj, const char* key, V& out, const std::string& prefi
     return;
   }
   if constexpr (std::is_integral_v<V> && !std::is_same_v<V, bool>) {
-    // Integers only (a float would be truncated), and no wrap-around of values above 2^63 - 1.
+    // Integers only (a float would be truncated), never wrapped or narrowed into V.
+    const std::optional<V> value = json_integer<V>(*it);
     if (!it->is_number_integer())
       throw Error(fmt::format("{}: key '{}{}' has the wrong type: must be an integer (got {})", kWhere, prefix, key,
                               it->dump()));
-    if (std::is_signed_v<V> && it->is_number_unsigned() && it->template get<uint64_t>() > uint64_t{INT64_MAX})
-      throw Error(fmt::format("{}: key '{}{}' is out of range (got {})", kWhere, prefix, key, it->dump()));
-    if (!std::is_signed_v<V> && !it->is_number_unsigned())
+    if (!value && std::is_unsigned_v<V> && !it->is_number_unsigned())
       throw Error(fmt::format("{}: key '{}{}' must be >= 0 (got {})", kWhere, prefix, key, it->dump()));
-    // Nor a silent narrowing into a smaller integer type.
-    const bool fits = std::is_signed_v<V> ? (it->template get<int64_t>() >= std::numeric_limits<V>::min() &&
-                                             it->template get<int64_t>() <= std::numeric_limits<V>::max())
-                                          : it->template get<uint64_t>() <= std::numeric_limits<V>::max();
-    if (!fits)
-      throw Error(fmt::format("{}: key '{}{}' is out of range (got {})", kWhere, prefix, key, it->dump()));
-  }
-  try {
-    out = it->get<V>();
-  } catch (const json::exception&) {
-    throw Error(fmt::format("{}: key '{}{}' has the wrong type ({})", kWhere, prefix, key, it->dump()));
+    if (!value) throw Error(fmt::format("{}: key '{}{}' is out of range (got {})", kWhere, prefix, key, it->dump()));
+    out = *value;
+  } else {
+    try {
+      out = it->get<V>();
+    } catch (const json::exception&) {
+      throw Error(fmt::format("{}: key '{}{}' has the wrong type ({})", kWhere, prefix, key, it->dump()));
+    }
   }
 }
 

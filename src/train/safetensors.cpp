@@ -14,6 +14,7 @@
 
 #include "leanstep/core.h"
 #include "leanstep/checked.h"
+#include "core/json_integer.h"
 #include "train/internal.h"
 #include "train/model.h"
 
@@ -131,11 +132,11 @@ std::vector<uint64_t> header_integers(const nlohmann::json& entry, const std::st
   if (!list.is_array()) throw bad(fmt::format("tensor '{}' has a {} that is not a list", name, key));
   std::vector<uint64_t> values;
   for (const nlohmann::json& v : list) {
-    if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<int64_t>() < 0) ||
-        (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)))
+    const std::optional<int64_t> value = json_integer<int64_t>(v);
+    if (!value || *value < 0)
       throw bad(fmt::format("tensor '{}' has a {} entry that is not an integer in [0, 2^63) (got {})", name, key,
                             v.dump()));
-    values.push_back(v.get<uint64_t>());
+    values.push_back(static_cast<uint64_t>(*value));
   }
   return values;
 }

@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "core/json_integer.h"
 #include "core/parallel.h"
 #include "leanstep/buffer.h"
 #include "leanstep/core.h"
@@ -305,3 +306,27 @@ TEST(Core, AForkedChildRunsParallelLoopsOnItsOwnThread) {
 
 }  // namespace
 }  // namespace leanstep
+
+// One rule for every JSON reader: a JSON integer that the type holds exactly, and
+// nothing else (nlohmann keeps 4.0 and 1e300 as doubles, 2^63 as uint64, 2^64 as
+// a double; get<int64_t>() would truncate, wrap or cast them out of range).
+TEST(JsonInteger, HoldsExactlyTheIntegersTheTypeHolds) {
+  using nlohmann::json;
+  EXPECT_EQ(json_integer<int64_t>(json::parse("0")), int64_t{0});
+  EXPECT_EQ(json_integer<int64_t>(json::parse("-7")), int64_t{-7});
+  EXPECT_EQ(json_integer<int64_t>(json::parse("9223372036854775807")), INT64_MAX);
+  EXPECT_EQ(json_integer<int64_t>(json::parse("-9223372036854775808")), INT64_MIN);
+  for (const char* text : {"9223372036854775808", "18446744073709551615", "18446744073709551616", "4.0", "4.5",
+                           "1e300", "-1e300", "\"4\"", "true", "null", "[1]", "{}"})
+    EXPECT_FALSE(json_integer<int64_t>(json::parse(text)).has_value()) << text;
+  // Unsigned types take the whole uint64 range and no negative value.
+  EXPECT_EQ(json_integer<uint64_t>(json::parse("18446744073709551615")), UINT64_MAX);
+  EXPECT_FALSE(json_integer<uint64_t>(json::parse("-1")).has_value());
+  EXPECT_FALSE(json_integer<uint64_t>(json::parse("18446744073709551616")).has_value());
+  // Narrower types: no silent narrowing.
+  EXPECT_EQ(json_integer<int32_t>(json::parse("2147483647")), INT32_MAX);
+  EXPECT_FALSE(json_integer<int32_t>(json::parse("2147483648")).has_value());
+  EXPECT_FALSE(json_integer<int32_t>(json::parse("-2147483649")).has_value());
+  EXPECT_EQ(json_integer<uint8_t>(json::parse("255")), uint8_t{255});
+  EXPECT_FALSE(json_integer<uint8_t>(json::parse("256")).has_value());
+}
