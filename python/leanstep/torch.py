@@ -276,14 +276,14 @@ class RMSNorm(torch.nn.RMSNorm):
             return "shape"  # torch raises its own error
         return None
 
-    def _context(self):
+    def _context(self, weight_requires_grad):
         hooks = bool(self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
                      or self._backward_pre_hooks or torch.nn.modules.module._global_forward_hooks
                      or torch.nn.modules.module._global_forward_pre_hooks
                      or torch.nn.modules.module._global_backward_hooks
                      or torch.nn.modules.module._global_backward_pre_hooks)
         return dict(
-            weight_requires_grad=bool(torch.is_grad_enabled() and self.weight.requires_grad),
+            weight_requires_grad=weight_requires_grad,
             fp8_output=False,
             autocast=_autocast_enabled(self.weight.device.type),
             activation_offload=_activation_offload_active(),
@@ -306,15 +306,16 @@ class RMSNorm(torch.nn.RMSNorm):
                                  f"cannot run this call ({unsupported})")
             self.__dict__["last_decision"] = {"path": "torch", "reason": unsupported}
             return super().forward(x)
-        context = self._context()
+        weight_requires_grad = bool(torch.is_grad_enabled() and self.weight.requires_grad)
         if (delegate_ok and x.device.type == "cpu" and not x.is_contiguous()
-                and not context["weight_requires_grad"]):
+                and not weight_requires_grad):
             # A strided input (q/k out of the fused qkv projection): leanstep would copy it
             # first, torch's fused CPU kernels read it in place. Measured on a 2-core AVX2
             # machine, fp32 [128, 2, 2, 32] views of [..., 96] rows, frozen, forward +
             # backward, one thread: torch 491 us, leanstep with the copy 609 us.
             self.__dict__["last_decision"] = {"path": "torch", "reason": "strided_input"}
             return super().forward(x)
+        context = self._context(weight_requires_grad)
         decision = _decide(context)
         feature_declined = _decide(dict(context, weight_requires_grad=False))["path"] \
             != "frozen_fused"

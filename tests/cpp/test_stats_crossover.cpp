@@ -672,8 +672,11 @@ TEST(StatsCalibration, AAIntervalsHoldZeroAndAKnownEffectAtTheSameRate) {
   for (const Setting& s : {Setting{"blocks, 4 runs (the seed's design)", 4, 20, 0},
                            Setting{"blocks, 8 runs", 8, 20, 0},
                            Setting{"alternating every 2 steps, 24 runs", 24, 12, 2},
-                           Setting{"the main job's plan: 4 conditions, 8 runs x 4 cycles of 2-step blocks", 8, 2,
-                                   0, 4, 4}}) {
+                           Setting{"the main job's plan: 5 conditions (A/A included), 10 runs x 5 cycles of "
+                                   "2-step blocks",
+                                   10, 2, 0, 5, 5},
+                           Setting{"the main job's plan with --no-aa: 4 conditions, 8 runs x 4 cycles", 8, 2, 0, 4,
+                                   4}}) {
     for (double effect : {0.0, 0.05}) {
       SCOPED_TRACE(::testing::Message() << s.name << ", effect " << effect);
       const Coverage c = calibrate(400, s.runs, s.block_steps, s.alternate, effect, rng, s.conditions, s.cycles);

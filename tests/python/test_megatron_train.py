@@ -91,12 +91,12 @@ def test_two_ranks_equal_one_rank_on_the_combined_batch_and_need_the_grad_sync(t
 
 
 def test_quick_crossover_at_ep_1_and_2(tmp_path):
-    r = run_job(tmp_path, "--quick", "--ep", "1,2")
+    r = run_job(tmp_path, "--quick", "--ep", "1,2", "--crossover-ep", "1,2")
     for ep in ("1", "2"):
         e = r["ep"][ep]
         versus = {c["condition"] for c in e["crossover"]["comparisons"]
                   if c["versus"] == "baseline"}
-        assert versus == {"rmsnorm", "grad", "all"}
+        assert versus == {"rmsnorm", "grad", "all", "baseline-aa"}
         audit = e["audit"]["0"]
         assert set(audit) == {"baseline", "rmsnorm", "grad", "all"}
         assert all(a["ops"] > 0 for a in audit.values())
@@ -116,7 +116,7 @@ def test_quick_crossover_at_ep_1_and_2(tmp_path):
         assert 0 < baseline_median("grad_norm_clip_s") < baseline_median("optimizer_s") < step
         assert 0 < baseline_median("rmsnorm_s") < step and 0 < baseline_median("moe_permute_s") < step
         assert {c["condition"] for c in fields["optimizer_s"]["comparisons"]} == \
-            {"rmsnorm", "grad", "all"}
+            {"rmsnorm", "grad", "all", "baseline-aa"}
         # What was timed, by name: Megatron's call sites and the model's norms.
         sites = e["timed_sites"]
         assert any(s.endswith("optimizer.get_grad_norm_fp32") for s in sites["grad_norm_clip_s"])
@@ -131,7 +131,7 @@ def test_quick_crossover_at_ep_1_and_2(tmp_path):
             assert "moe_permute_s" in f.read()
     text = main_job.format_results(r)
     assert "per phase" in text and "grad norm + clip" in text and "MoE permute" in text
-    assert "design: williams" in text
+    assert "design: cyclic latin square, 5 runs" in text  # --quick: one square of the 5
     assert r["settings"]["dtype"] in ("fp32", "bf16") and r["settings"]["dtype_reason"]
     # Expert adapters are split over the EP ranks: fewer trainable per rank at EP 2.
     assert r["ep"]["2"]["trainable"]["0"]["params"] < r["ep"]["1"]["trainable"]["0"]["params"]
@@ -140,7 +140,10 @@ def test_quick_crossover_at_ep_1_and_2(tmp_path):
 
 
 def test_aa_condition_is_the_baseline_again_with_an_interval_over_runs(tmp_path):
-    r = run_job(tmp_path, "--quick", "--ep", "1", "--aa", "--runs", "5", "--phases", "crossover")
+    # The defaults: the A/A condition is on, and the crossover runs at the first EP size only.
+    r = run_job(tmp_path, "--quick", "--ep", "1,2", "--runs", "5", "--phases", "crossover")
+    assert "crossover" not in r["ep"]["2"]
+    assert not (tmp_path / "job" / "ep2" / "plan.json").exists()
     xo = r["ep"]["1"]["crossover"]
     assert [c["condition"] for c in xo["conditions"]] == ["baseline", "rmsnorm", "grad", "all",
                                                           "baseline-aa"]
@@ -151,6 +154,37 @@ def test_aa_condition_is_the_baseline_again_with_an_interval_over_runs(tmp_path)
     assert len(plan["runs"]) == 5 and all(len(run["blocks"]) == 5 for run in plan["runs"])
     text = main_job.format_results(r)
     assert "baseline-aa" in text and "A/A: the baseline again" in text
+    assert "crossover: not run at this EP size (--crossover-ep 1)" in text
+
+
+@pytest.mark.parametrize("argv, conditions, runs, cycles, crossover_eps", [
+    ([], 5, 10, 5, [1]),                        # the main job's design: A/A on, EP 1
+    (["--no-aa"], 4, 8, 4, [1]),
+    (["--ep", "2,1"], 5, 10, 5, [2]),           # the first size given
+    (["--crossover-ep", "1,2"], 5, 10, 5, [1, 2]),
+    (["--cycles", "7"], 5, 10, 7, [1]),         # balanced exactly, and longer
+])
+def test_default_design_is_balanced(argv, conditions, runs, cycles, crossover_eps):
+    ap = main_job.build_parser()
+    args = ap.parse_args(argv + ["--dtype", "fp32"])
+    main_job.check_args(ap, args)
+    assert (len(main_job.crossover_conditions(args)), args.runs, args.cycles,
+            args.crossover_ep_sizes) == (conditions, runs, cycles, crossover_eps)
+    plan = leanstep.crossover_plan(list(main_job.crossover_conditions(args)), args.runs,
+                                   args.block_steps, args.warmup, cycles=args.cycles,
+                                   exclude_after_transition=args.exclude_after_transition)
+    # Transitions: every condition follows every other equally often (4 conditions, 4
+    # cycles; 5 conditions, 7 cycles), or within one of the mean (5 conditions, 5 cycles:
+    # 11 to 13 times).
+    follows = {}
+    for run in plan["runs"]:
+        for a, b in zip(run["blocks"], run["blocks"][1:]):
+            follows[a, b] = follows.get((a, b), 0) + 1
+    assert len(follows) == conditions * (conditions - 1)
+    assert plan["carryover_balanced"] == (len(set(follows.values())) == 1)
+    assert plan["carryover_balanced"] == (conditions == 4 or cycles == 7)
+    mean = sum(follows.values()) / len(follows)
+    assert all(abs(n - mean) <= 1 for n in follows.values()), follows
 
 
 def test_bad_arguments_are_named_before_any_rank_starts(tmp_path):
@@ -158,8 +192,10 @@ def test_bad_arguments_are_named_before_any_rank_starts(tmp_path):
     package_root = os.path.dirname(os.path.dirname(leanstep.__file__))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     for args, message in [(["--ep", "3"], "argument --ep: each size must be >= 1 and divide"),
-                          (["--runs", "6"], "argument --runs: must be a multiple of 4"),
-                          (["--aa", "--runs", "4"], "argument --runs: must be a multiple of 5"),
+                          (["--no-aa", "--runs", "6"], "argument --runs: must be a multiple of 4"),
+                          (["--runs", "4"], "argument --runs: must be a multiple of 5"),
+                          (["--crossover-ep", "2", "--ep", "1"],
+                           "argument --crossover-ep: each size must be one of --ep"),
                           (["--topk", "9"], "argument --topk: must be <= --experts"),
                           (["--phases", "nope"], "argument --phases: must name")]:
         done = subprocess.run([sys.executable, "-m", "leanstep.megatron.train", *args,

@@ -1,7 +1,7 @@
 """The main job: real Megatron-Core MoE-LoRA training on CPU ranks, with and
 without leanstep, measured by a counterbalanced crossover.
 
-    python -m leanstep.megatron.train [--ep 1,2] [--dtype bf16] [--out DIR] ...
+    python -m leanstep.megatron.train [--ep 1,2] [--crossover-ep 1] [--dtype bf16] [--out DIR] ...
     python -m leanstep.megatron.train --help
 
 One command starts the ranks itself (torch.distributed.run, gloo, one CPU
@@ -15,8 +15,9 @@ leanstep's own statistics. What a run does:
 2. Adds LoRA adapters (:mod:`leanstep.megatron.lora`; the base is frozen),
    wraps the model in Megatron DDP with the distributed optimizer (clip 1.0)
    and wires the gradient reduction as Megatron's training loop does.
-3. Runs the crossover plan (:func:`leanstep.crossover_plan`): every run
-   starts from the same state, the condition (baseline, rmsnorm, grad, all)
+3. Runs the crossover plan (:func:`leanstep.crossover_plan`, at the first EP
+   size by default): every run starts from the same state, the condition
+   (baseline, rmsnorm, grad, all, and baseline-aa, the baseline again)
    switches at block boundaries through the preset (:func:`leanstep.set_preset`)
    without rebuilding anything. Each rank logs every step (JSON Lines).
 4. Audits one step per condition (:func:`leanstep.audit`), and trains a
@@ -43,8 +44,8 @@ import warnings
 from functools import partial
 
 CONDITIONS = ("baseline", "rmsnorm", "grad", "all")
-#: With --aa: a second baseline, the same preset under another name. Its reduction
-#: against "baseline" is 0 in truth, so its interval shows what noise alone gives.
+#: A second baseline, the same preset under another name (on unless --no-aa). Its
+#: reduction against "baseline" is 0 in truth, so its interval shows what noise alone gives.
 AA_CONDITION = "baseline-aa"
 PRESETS = {"baseline": "baseline", "rmsnorm": "rmsnorm", "grad": "grad", "all": "all",
            AA_CONDITION: "baseline"}
@@ -52,6 +53,11 @@ PRESETS = {"baseline": "baseline", "rmsnorm": "rmsnorm", "grad": "grad", "all": 
 
 def crossover_conditions(args):
     return CONDITIONS + ((AA_CONDITION,) if args.aa else ())
+
+
+def crossover_at(args, ep):
+    return "crossover" in args.phase_list and ep in args.crossover_ep_sizes
+
 DEFAULT_TARGETS = "linear_qkv,linear_proj,linear_fc1,linear_fc2"
 def _default_corpus():
     """The project's training text: in the installed package (leanstep/data/, put
@@ -78,6 +84,10 @@ def build_parser():
     g.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (default 2)")
     g.add_argument("--ep", default="1,2",
                    help="expert-parallel sizes to run, comma-separated (default 1,2)")
+    g.add_argument("--crossover-ep", default=None,
+                   help="the EP sizes of --ep the crossover runs at (default: the first; the "
+                        "audit and the agreement run at every size). At EP 2 a step here is "
+                        "mostly gloo's all-to-all, and the time goes further at EP 1")
     g = ap.add_argument_group("model (Qwen3-MoE style)")
     g.add_argument("--hidden", type=int, default=256)
     g.add_argument("--layers", type=int, default=4)
@@ -103,18 +113,18 @@ def build_parser():
     g.add_argument("--lora-alpha", type=float, default=32.0)
     g = ap.add_argument_group("crossover")
     g.add_argument("--runs", type=int, default=None,
-                   help="runs of the plan, a multiple of the conditions (default 8, or 10 with "
-                        "--aa: two Williams squares; each run starts from the same state)")
-    g.add_argument("--aa", action="store_true",
-                   help=f"add an A/A condition ({AA_CONDITION!r}: the baseline again) to the "
-                        "crossover; its result against the baseline calibrates the intervals")
+                   help="runs of the plan, a multiple of the conditions (default 10, or 8 with "
+                        "--no-aa: two Williams squares; each run starts from the same state)")
+    g.add_argument("--aa", action=argparse.BooleanOptionalAction, default=True,
+                   help=f"an A/A condition ({AA_CONDITION!r}: the baseline again) in the "
+                        "crossover; its result against the baseline shows what noise alone "
+                        "gives (default on)")
     g.add_argument("--block-steps", type=int, default=2,
                    help="steps per block (default 2: the conditions compared alternate every 2 "
                         "steps, so paired steps are seconds apart, not minutes)")
-    g.add_argument("--cycles", type=int, default=3,
-                   help="times each run holds each condition (default 3; 1, 4, 7, ... balance "
-                        "the transitions exactly for 4 conditions, 3 keeps make demo within 10 "
-                        "minutes here)")
+    g.add_argument("--cycles", type=int, default=None,
+                   help="times each run holds each condition (default 5, or 4 with --no-aa, "
+                        "which balances the transitions exactly)")
     g.add_argument("--warmup", type=int, default=2)
     g.add_argument("--exclude-after-transition", type=int, default=0,
                    help="steps after each block start the analysis leaves out (default 0: the "
@@ -158,9 +168,10 @@ def check_args(ap, args):
     def bad(arg, rule, value):
         ap.error(f"argument {arg}: {rule} (got {value!r})")
 
+    conditions = crossover_conditions(args)
     for name in ("nproc", "hidden", "layers", "heads", "kv_heads", "experts", "topk", "moe_ffn",
                  "seq", "micro_batch", "microbatches", "lora_rank", "block_steps", "cycles"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             bad("--" + name.replace("_", "-"), "must be >= 1", getattr(args, name))
     for name in ("warmup", "exclude_after_transition"):
         if getattr(args, name) < 0:
@@ -178,6 +189,14 @@ def check_args(ap, args):
     if not eps or any(e < 1 or args.nproc % e or args.experts % e for e in eps):
         bad("--ep", "each size must be >= 1 and divide --nproc and --experts", args.ep)
     args.ep_sizes = eps
+    try:
+        crossover_eps = eps[:1] if args.crossover_ep is None else \
+            [int(e) for e in str(args.crossover_ep).split(",") if e.strip()]
+    except ValueError:
+        bad("--crossover-ep", "must be comma-separated integers", args.crossover_ep)
+    if not crossover_eps or any(e not in eps for e in crossover_eps):
+        bad("--crossover-ep", f"each size must be one of --ep ({args.ep})", args.crossover_ep)
+    args.crossover_ep_sizes = crossover_eps
     if not (args.lr > 0 and math.isfinite(args.lr)):
         bad("--lr", "must be a finite number > 0", args.lr)
     if not os.path.isfile(args.corpus):
@@ -205,12 +224,16 @@ def check_args(ap, args):
     args.dtype_reason = "as asked"
     if args.dtype == "auto":
         args.dtype, args.dtype_reason = auto_dtype()
-    conditions = crossover_conditions(args)
     if args.runs is None:  # two Williams squares (an odd count needs 2 per square)
         args.runs = len(conditions) if args.quick else 2 * len(conditions)
     if args.runs % len(conditions):
         bad("--runs", f"must be a multiple of {len(conditions)} (balanced plan of "
                       f"{', '.join(conditions)})", args.runs)
+    if args.cycles is None:
+        # 4 conditions: 4 cycles balance the transitions exactly. 5: every condition follows
+        # every other 11 to 13 times in 10 runs; 7 would balance them exactly, and take make
+        # demo past 10 minutes here.
+        args.cycles = 5 if args.aa else 4
 
 
 # ---------------------------------------------------------------- data
@@ -436,11 +459,13 @@ def run_ep(args, ep, rank, world, say):
     import leanstep
 
     out_dir = os.path.join(args.out, f"ep{ep}")
-    plan = json.load(open(os.path.join(out_dir, "plan.json")))
     trainer = Trainer(args, ep, rank, world)
     result = {"runs": []}
     log_path = os.path.join(out_dir, "crossover", f"steps.rank{rank}.jsonl")
-    runs = plan["runs"] if "crossover" in args.phase_list else []
+    runs = []
+    if crossover_at(args, ep):
+        plan = json.load(open(os.path.join(out_dir, "plan.json")))
+        runs = plan["runs"]
     from .phases import PhaseTimers
 
     with open(log_path, "w") as log:
@@ -564,6 +589,10 @@ def launch(args, argv):
             for f in os.listdir(os.path.join(ep_dir, sub)):
                 if f.endswith(".jsonl"):
                     os.remove(os.path.join(ep_dir, sub, f))
+        if os.path.exists(os.path.join(ep_dir, "plan.json")):
+            os.remove(os.path.join(ep_dir, "plan.json"))
+        if not crossover_at(args, ep):
+            continue
         plan = leanstep.crossover_plan(list(crossover_conditions(args)), args.runs,
                                        args.block_steps, args.warmup,
                                        exclude_after_transition=args.exclude_after_transition,
@@ -623,7 +652,7 @@ def analyse(args, seconds):
             "first_microbatch_hashes": {r: pr["first_microbatch_hashes"]
                                         for r, pr in enumerate(per_rank)},
         }
-        if "crossover" in args.phase_list:
+        if crossover_at(args, ep):
             e["plots"] = {"steps": os.path.join(ep_dir, "steps.svg"),
                           "reductions": os.path.join(ep_dir, "reductions.svg")}
             e["crossover"] = leanstep.crossover_analysis(
@@ -671,6 +700,10 @@ def format_results(r):
     for ep, e in r["ep"].items():
         lines.append(f"-- EP {ep}")
         xo = e.get("crossover", {})
+        settings = r["settings"]
+        if not xo and "crossover" in settings.get("phase_list", ()):
+            at = ",".join(str(s) for s in settings.get("crossover_ep_sizes", ()))
+            lines.append(f"  crossover: not run at this EP size (--crossover-ep {at})")
         if xo:
             lines.append("  step duration per condition (max over ranks, after warm-up), s:")
         for c in xo.get("conditions", []):
