@@ -4,7 +4,9 @@
 // and that no call goes uncounted.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <iterator>
 #include <thread>
 #include <vector>
 
@@ -68,11 +70,18 @@ TEST(DispatchThreads, InstallsAndPresetSwitchesRaceWithCalls) {
   // has made a minimum of calls, so the two really overlap on any machine.
   constexpr int kCallers = 3;
   constexpr int64_t kMinCallsPerThread = 5000;
+  // At least kRounds rounds, then more until every implementation has run at least once
+  // (a short-lived one can be missed by chance on a loaded machine), never past kMaxRounds:
+  // an implementation that cannot run at all still fails the check below.
   constexpr int kRounds = 100;
+  constexpr int kMaxRounds = 200000;
   std::atomic<bool> mutator_done{false};
   std::atomic<bool> stop_reader{false};
   std::atomic<int64_t> illegal{0}, total_calls{0};
   std::atomic<int64_t> seen[4] = {0, 0, 0, 0};  // reference, a, b, c
+  auto every_implementation_ran = [&] {
+    return std::all_of(std::begin(seen), std::end(seen), [](const auto& s) { return s.load() > 0; });
+  };
 
   std::vector<std::thread> threads;
   for (int t = 0; t < kCallers; ++t) {
@@ -91,7 +100,7 @@ TEST(DispatchThreads, InstallsAndPresetSwitchesRaceWithCalls) {
   }
   // The mutator: every kind of change, over and over.
   threads.emplace_back([&] {
-    for (int round = 0; round < kRounds; ++round) {
+    for (int round = 0; round < kRounds || (round < kMaxRounds && !every_implementation_ran()); ++round) {
       op.install("a", &impl_a);
       op.install("b", &impl_b, &guard_b, "not a multiple of 3");
       reg.install(desc_c);
