@@ -3,6 +3,7 @@ LEANSTEP_TEST_SEED), as in the C++ tests."""
 
 import os
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -69,6 +70,16 @@ def _moe_cpu_kernels(request, monkeypatch):
         monkeypatch.setenv("LEANSTEP_MEGATRON_MOE_CPU", "leanstep")
     else:
         monkeypatch.delenv("LEANSTEP_MEGATRON_MOE_CPU", raising=False)
+    # The patches read the environment once: have them read it again.
+    _forget_moe_cpu_setting()
+    yield
+    _forget_moe_cpu_setting()
+
+
+def _forget_moe_cpu_setting():
+    moe = sys.modules.get("leanstep.megatron.moe")
+    if moe is not None:
+        moe._cpu_kernels = None
 
 
 def pytest_configure(config):

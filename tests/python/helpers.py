@@ -9,6 +9,11 @@ FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8,
                  torch.float64: 2.0**-53}
 
+# Spacing of the subnormals (the smallest positive value) of each dtype: below the
+# smallest normal, an ulp stops shrinking with |v| and stays this wide.
+SUBNORMAL_SPACING = {torch.float32: 2.0**-149, torch.float16: 2.0**-24,
+                     torch.bfloat16: 2.0**-133, torch.float64: 2.0**-1074}
+
 
 def to_f64(t):
     """Exact float64 copy of a torch tensor or NumPy array."""
@@ -29,11 +34,13 @@ def randn(shape, dtype, gen, scale=1.0):
 
 def assert_within_ulps(actual, expected_f64, dtype, ulps=1.0, atol=0.0):
     """|actual - expected| <= ulps * ulp(expected) + atol, element-wise, where
-    ulp(v) = 2 * unit_roundoff * |v|. One ulp is what a result computed in fp32
-    and rounded once to a narrower dtype may be off from the correctly rounded
-    value (the fp32 error can push a value across a rounding boundary)."""
+    ulp(v) = max(2 * unit_roundoff * |v|, subnormal spacing). One ulp is what a
+    result computed in fp32 and rounded once to a narrower dtype may be off from
+    the correctly rounded value (the fp32 error can push a value across a rounding
+    boundary); among the subnormals the spacing is fixed, not relative."""
     a = to_f64(actual)
-    bound = ulps * 2 * UNIT_ROUNDOFF[dtype] * np.abs(expected_f64) + atol
+    ulp = np.maximum(2 * UNIT_ROUNDOFF[dtype] * np.abs(expected_f64), SUBNORMAL_SPACING[dtype])
+    bound = ulps * ulp + atol
     err = np.abs(a - expected_f64)
     bad = ~(err <= bound)
     if bad.any():

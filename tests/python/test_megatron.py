@@ -371,10 +371,19 @@ def test_cpu_calls_go_to_megatron_by_default(patched, torch_gen, monkeypatch):
             moe_patches.cpu_kernels("yes")
     finally:
         moe_patches.cpu_kernels(False)
-    moe_patches._cpu_kernels = None  # back to the environment
+    # The environment is read once (not per call): on install, or at the first call.
     monkeypatch.setenv("LEANSTEP_MEGATRON_MOE_CPU", "leanstep")
+    assert moe_patches.cpu_kernels() is False  # still the setting in force
+    lm.install()
+    assert moe_patches.cpu_kernels() is False  # a setting made by the call stays
+    moe_patches._cpu_kernels = None  # as if never read
+    lm.install()
     assert moe_patches.cpu_kernels() is True
     monkeypatch.setenv("LEANSTEP_MEGATRON_MOE_CPU", "fast")
+    token_dispatcher.permute(tokens, routing_map, probs, num_out)  # not read again
+    moe_patches._cpu_kernels = None
+    with pytest.raises(leanstep.Error, match="LEANSTEP_MEGATRON_MOE_CPU must be 'megatron'"):
+        lm.install()  # refused before anything is patched anew
     with pytest.raises(leanstep.Error, match="LEANSTEP_MEGATRON_MOE_CPU must be 'megatron'"):
         token_dispatcher.permute(tokens, routing_map, probs, num_out)
 

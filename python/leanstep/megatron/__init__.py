@@ -54,6 +54,7 @@ def install(patches=None):
     patch is left as it is, modules loaded since then that imported the
     original by name are patched as well, and a target that no longer holds
     the replacement (its module was reloaded) is patched anew."""
+    _moe_patches._cpu_kernels_enabled()  # LEANSTEP_MEGATRON_MOE_CPU: read (and checked) once
     _patching.install(PATCHES, patches)
     return report()
 

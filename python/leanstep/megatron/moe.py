@@ -37,15 +37,19 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # the host, so nothing is lost. Device tensors always take leanstep's path (no
 # host read of the routed count, Triton kernels).
 _CPU_ENV = "LEANSTEP_MEGATRON_MOE_CPU"
-_cpu_kernels = None  # None: not set by the caller, the environment decides
+# None until first needed: then the caller's setting, or the environment's,
+# read once (a per-call read of os.environ cost more than the rest of the path
+# that hands the call back).
+_cpu_kernels = None
 
 
 def cpu_kernels(enabled=None):
     """Whether the MoE patches run leanstep's C++ kernels on CPU tensors
     (``False`` by default: Megatron's own functions, which are faster there; see
     docs/megatron-cpu.md). ``cpu_kernels(True)`` or ``LEANSTEP_MEGATRON_MOE_CPU=leanstep``
-    switches them on (tests, benchmarks); ``cpu_kernels(False)`` off. Returns the
-    setting in force before the call."""
+    (read once, when the patches are installed or first called) switches them on
+    (tests, benchmarks); ``cpu_kernels(False)`` off. Returns the setting in force
+    before the call."""
     global _cpu_kernels
     previous = _cpu_kernels_enabled()
     if enabled is not None:
@@ -57,16 +61,26 @@ def cpu_kernels(enabled=None):
 
 
 def _cpu_kernels_enabled():
-    if _cpu_kernels is not None:
-        return _cpu_kernels
+    global _cpu_kernels
+    if _cpu_kernels is None:
+        _cpu_kernels = _cpu_kernels_from_environment()
+    return _cpu_kernels
+
+
+def _cpu_kernels_from_environment():
+    """The setting of LEANSTEP_MEGATRON_MOE_CPU; also makes it the one in force
+    (used on install, and by tests that change the environment)."""
+    global _cpu_kernels
     value = os.environ.get(_CPU_ENV, "").strip().lower()
     if value in ("", "megatron"):
-        return False
-    if value == "leanstep":
-        return True
-    from .._leanstep import Error
+        _cpu_kernels = False
+    elif value == "leanstep":
+        _cpu_kernels = True
+    else:
+        from .._leanstep import Error
 
-    raise Error(f"{_CPU_ENV} must be 'megatron' (the default) or 'leanstep' (got {value!r})")
+        raise Error(f"{_CPU_ENV} must be 'megatron' (the default) or 'leanstep' (got {value!r})")
+    return _cpu_kernels
 
 
 CPU_DELEGATED = "cpu_megatron_faster"  # the reason counted when a CPU call is handed back
@@ -75,8 +89,8 @@ CPU_DELEGATED = "cpu_megatron_faster"  # the reason counted when a CPU call is h
 def _cpu_delegated(tensor):
     """Whether this call goes back to Megatron as a CPU call, checked first and
     cheaply (the call's other checks would only add to Megatron's own time)."""
-    return (type(tensor) in _PLAIN and tensor.device.type == "cpu"
-            and not _cpu_kernels_enabled())
+    enabled = _cpu_kernels if _cpu_kernels is not None else _cpu_kernels_enabled()
+    return not enabled and type(tensor) in _PLAIN and tensor.is_cpu
 
 
 def _why_not(tensors):

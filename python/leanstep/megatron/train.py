@@ -168,6 +168,12 @@ def check_args(ap, args):
     def bad(arg, rule, value):
         ap.error(f"argument {arg}: {rule} (got {value!r})")
 
+    def ep_list(flag, text):  # comma-separated EP sizes, empty items skipped
+        try:
+            return [int(e) for e in str(text).split(",") if e.strip()]
+        except ValueError:
+            bad(flag, "must be comma-separated integers", text)
+
     conditions = crossover_conditions(args)
     for name in ("nproc", "hidden", "layers", "heads", "kv_heads", "experts", "topk", "moe_ffn",
                  "seq", "micro_batch", "microbatches", "lora_rank", "block_steps", "cycles"):
@@ -182,18 +188,12 @@ def check_args(ap, args):
         bad("--topk", "must be <= --experts", args.topk)
     if args.heads % args.kv_heads or args.hidden % args.heads:
         bad("--kv-heads", "must divide --heads, and --heads must divide --hidden", args.kv_heads)
-    try:
-        eps = [int(e) for e in str(args.ep).split(",") if e.strip()]
-    except ValueError:
-        bad("--ep", "must be comma-separated integers", args.ep)
+    eps = ep_list("--ep", args.ep)
     if not eps or any(e < 1 or args.nproc % e or args.experts % e for e in eps):
         bad("--ep", "each size must be >= 1 and divide --nproc and --experts", args.ep)
     args.ep_sizes = eps
-    try:
-        crossover_eps = eps[:1] if args.crossover_ep is None else \
-            [int(e) for e in str(args.crossover_ep).split(",") if e.strip()]
-    except ValueError:
-        bad("--crossover-ep", "must be comma-separated integers", args.crossover_ep)
+    crossover_eps = eps[:1] if args.crossover_ep is None else \
+        ep_list("--crossover-ep", args.crossover_ep)
     if not crossover_eps or any(e not in eps for e in crossover_eps):
         bad("--crossover-ep", f"each size must be one of --ep ({args.ep})", args.crossover_ep)
     args.crossover_ep_sizes = crossover_eps
