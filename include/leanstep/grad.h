@@ -143,6 +143,11 @@ class Plan {
 // Plan::first_self_overlapping), naming it: every in-place op calls it first.
 void check_in_place(const PlanView& plan, std::string_view where);
 
+// The clip threshold's rule, the one every backend applies (the Python device
+// backends call it too): finite and >= 0 (0 zeroes the grads, as torch's
+// clip_grad_norm_ does).
+void check_max_norm(double max_norm, std::string_view where);
+
 // Total norm: (sum over views of sum |x|^p)^(1/p), p = 2 (L2), kInfNorm
 // (max |x|, NaN propagates) or any p > 0. Sums of p-th powers are
 // accumulated in double (fp32 squares cannot overflow it), chunk partials

@@ -19,6 +19,7 @@ LEANSTEP_DISPATCH_TYPE_NAME(leanstep::grad::PlanView, "grad::PlanView");
 LEANSTEP_DISPATCH_TYPE_NAME(leanstep::comm::Communicator, "comm::Communicator");
 LEANSTEP_DISPATCH_TYPE_NAME(leanstep::rmsnorm::Options, "rmsnorm::Options");
 LEANSTEP_DISPATCH_TYPE_NAME(leanstep::rmsnorm::CallContext, "rmsnorm::CallContext");
+LEANSTEP_DISPATCH_TYPE_NAME(leanstep::moe::RoutingConfig, "moe::RoutingConfig");
 
 namespace leanstep::ops {
 
@@ -37,11 +38,13 @@ namespace leanstep::ops {
 //
 // The arguments and semantics are those of the area functions the built-in
 // implementations call (grad.h, rmsnorm.h, moe.h). Reference and fast paths
-// agree within the tolerances those areas document: bit-identical for moe;
+// agree within the tolerances those areas document (an op without a fast path,
+// such as moe.route, has its reference alone): bit-identical for moe;
 // for rmsnorm and the grad norms within the bounds the conformance harness
 // declares, the SIMD sums being ordered differently from the reference's one
 // accumulator. Only plain data crosses these signatures (no std::vector,
-// std::string, std::span or std::optional): TensorList and OptionalInt64.
+// std::string, std::span or std::optional): TensorList and OptionalInt64 (and
+// option structs of trivially copyable fields, such as moe::RoutingConfig).
 #define LEANSTEP_OPS(X)                                                                                        \
   X(grad_norm, GradNormSig, "grad.norm",                                                                       \
     (const grad::PlanView& plan, const Tensor& out_norm, double norm_type = 2.0,                               \
@@ -51,6 +54,11 @@ namespace leanstep::ops {
     (const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& out_norm, const Tensor& found_inf,     \
      double norm_type = 2.0, comm::Communicator* comm = nullptr, const dispatch::Context& ctx = {}),           \
     (plan, inv_scale, out_norm, found_inf, norm_type, comm, ctx), "torch,triton")                             \
+  /* unscale_norm without the norm: the optimizer's unscale + found_inf (no norm is returned). */              \
+  X(grad_unscale, GradUnscaleSig, "grad.unscale",                                                              \
+    (const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& found_inf,                             \
+     const dispatch::Context& ctx = {}),                                                                       \
+    (plan, inv_scale, found_inf, ctx), "torch,triton")                                                        \
   X(grad_clip, GradClipSig, "grad.clip",                                                                       \
     (const grad::PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff = nullptr, \
      const dispatch::Context& ctx = {}),                                                                       \
@@ -100,7 +108,24 @@ namespace leanstep::ops {
     (const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices, const Tensor* probs,            \
      const Tensor* routing_map, bool drop_and_pad, const Tensor& dpermuted, const Tensor* dprobs,              \
      const dispatch::Context& ctx = {}),                                                                       \
-    (dout, permuted, sorted_indices, probs, routing_map, drop_and_pad, dpermuted, dprobs, ctx), "torch")
+    (dout, permuted, sorted_indices, probs, routing_map, drop_and_pad, dpermuted, dprobs, ctx), "torch")       \
+  X(moe_permute_probs_backward, MoePermuteProbsBackwardSig, "moe.permute_probs_backward",                      \
+    (const Tensor& dpermuted_probs, const Tensor& sorted_indices, const Tensor& routing_map, bool drop_and_pad, \
+     const Tensor& dprobs, const dispatch::Context& ctx = {}),                                                 \
+    (dpermuted_probs, sorted_indices, routing_map, drop_and_pad, dprobs, ctx), "torch")                       \
+  X(moe_pad_routing_map, MoePadRoutingMapSig, "moe.pad_routing_map",                                           \
+    (const Tensor& routing_map, int64_t multiple, const Tensor& out, const dispatch::Context& ctx = {}),       \
+    (routing_map, multiple, out, ctx), "torch")                                                               \
+  X(moe_sort_chunks_by_idxs, MoeSortChunksByIdxsSig, "moe.sort_chunks_by_idxs",                                \
+    (const Tensor& rows, const Tensor& split_sizes, const Tensor& sorted_idxs, const Tensor& out,              \
+     const Tensor* probs = nullptr, const Tensor* out_probs = nullptr, const dispatch::Context& ctx = {}),     \
+    (rows, split_sizes, sorted_idxs, out, probs, out_probs, ctx), "torch")                                    \
+  /* RoutingConfig's optional fields are std::optional of bool and double (trivially copyable). */            \
+  X(moe_route, MoeRouteSig, "moe.route",                                                                       \
+    (const Tensor& logits, const moe::RoutingConfig& config, const Tensor* expert_bias,                        \
+     const Tensor& routing_map, const Tensor& probs, const Tensor& tokens_per_expert,                          \
+     const dispatch::Context& ctx = {}),                                                                       \
+    (logits, config, expert_bias, routing_map, probs, tokens_per_expert, ctx), "")
 
 // The signature types: each op's parameter list is declared once, as a
 // function in namespace `signatures` that is never defined; its type is the

@@ -14,7 +14,7 @@ Submodules: ``leanstep.torch`` (autograd-aware modules and functions) and
 from . import _leanstep
 from ._leanstep import Error, counters, data_ptr, describe, measure_bandwidth, num_threads
 from ._leanstep import read_scalar, reset_counters, set_num_threads
-from ._dispatch import format_paths, paths, preset, reset_paths, set_preset
+from ._dispatch import format_paths, ops, paths, preset, reset_paths, set_preset
 from ._arrays import empty_cache, huge_pages, output_pool, set_huge_pages, set_output_pool
 
 Error.__module__ = "leanstep"
@@ -35,6 +35,7 @@ __all__ = [
     "reset_counters",
     "set_num_threads",
     "set_preset",
+    "ops",
     "preset",
     "paths",
     "format_paths",

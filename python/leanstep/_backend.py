@@ -29,9 +29,14 @@ import sys
 import threading
 
 from ._arrays import SUPPORTED_DTYPES, dtype_name
+from . import _leanstep
 from ._leanstep import Error
 
 BACKENDS = ("cpu", "torch", "triton")
+#: The op vocabulary: the C++ op table's rows (leanstep/ops.h), in order, each
+#: with the backends that implement it ("cpu", the C++ registry, first).
+OPS = {name: ("cpu",) + tuple(b for b in devices.split(",") if b)
+       for name, devices in _leanstep.dispatch_op_table()}
 #: torch device types with Triton kernels -> the Triton driver backends that run them.
 TRITON_TARGETS = {"cuda": ("cuda", "hip"), "xpu": ("xpu",), "npu": ("npu", "ascend")}
 
@@ -240,6 +245,8 @@ def triton_self_check(family, device):
 
 def record(op, backend, device_type, reason=None):
     """Counts one routed call; `reason` (why that backend ran) is kept too."""
+    if op not in OPS:  # every counted op is a row of the table (the report is keyed by it)
+        raise Error(f"internal: op {op!r} is not in the op table (leanstep.ops())")
     with _lock:
         _calls[(op, backend, device_type)] += 1
         if reason is not None:

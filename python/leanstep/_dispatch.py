@@ -24,6 +24,38 @@ _lock = threading.Lock()
 _state = {"preset": "all", "items": None}  # items None: every op enabled
 
 
+#: The Python entry point of every op of the vocabulary (a GradPlan method, or a
+#: function of the package); tests/python/test_paths.py holds it to the table.
+ENTRY_POINTS = {
+    "grad.norm": "GradPlan.norm",
+    "grad.unscale_norm": "GradPlan.norm",  # given inv_scale
+    "grad.unscale": "GradPlan.unscale_",
+    "grad.clip": "GradPlan.clip_",
+    "grad.norm_clip": "GradPlan.norm_clip_",
+    "grad.scale": "GradPlan.scale_",
+    "grad.count_zeros": "GradPlan.count_zeros",
+    "grad.multi_tensor_scale": "multi_tensor_scale",
+    "rmsnorm.forward": "rms_norm",
+    "rmsnorm.backward": "rms_norm_backward",
+    "moe.permute": "moe_permute",
+    "moe.unpermute": "moe_unpermute",
+    "moe.permute_backward": "moe_permute_backward",
+    "moe.unpermute_backward": "moe_unpermute_backward",
+    "moe.permute_probs_backward": "moe_permute_probs_backward",
+    "moe.pad_routing_map": "pad_routing_map",
+    "moe.sort_chunks_by_idxs": "sort_chunks_by_idxs",
+    "moe.route": "moe_route",
+}
+
+
+def ops():
+    """The op vocabulary, from the C++ op table: ``{name: backends}``, in table
+    order, the backends that implement each op (``"cpu"``, the C++ kernels,
+    first; then the device backends, ``"torch"``, ``"triton"``). Presets name
+    these ops or their groups (the part before the dot)."""
+    return dict(_backend.OPS)
+
+
 def _parse(preset):
     if preset == "all":
         return None

@@ -188,11 +188,10 @@ class GradPlan:
         if self.backend in ("torch", "triton"):
             self._torch_plan.unscale(_maybe_view(inv_scale), found_inf)
             return found_inf
-        scratch = self._new_scalar("float32")  # the same pass yields the norm; unused here
         if isinstance(inv_scale, numbers.Real):
-            self._core.unscale_norm(float(inv_scale), scratch, found_inf, 2.0)
+            self._core.unscale(float(inv_scale), found_inf)
         else:
-            self._core.unscale_norm(view(inv_scale), scratch, found_inf, 2.0)
+            self._core.unscale(view(inv_scale), found_inf)
         return found_inf
 
     def clip_(self, max_norm, norm, *, coeff_out=None):
@@ -201,9 +200,9 @@ class GradPlan:
         (a NaN norm gives NaN grads, as the frameworks do). Returns the
         coefficient (1-element fp32)."""
         self._check_in_place("clip_")
+        _check_max_norm(max_norm, "clip")
         self._record("clip")
         if self.backend in ("torch", "triton"):
-            _check_max_norm(max_norm)
             return self._torch_plan.clip(_maybe_view(norm), float(max_norm),
                                          None if coeff_out is None else view(coeff_out))
         coeff = self._new_scalar("float32") if coeff_out is None else view(coeff_out)
@@ -213,8 +212,8 @@ class GradPlan:
     def norm_clip_(self, max_norm, norm_type=2.0):
         """norm then clip in place, the usual step: returns ``(norm, found_inf, coeff)``."""
         self._check_in_place("norm_clip_")
+        _check_max_norm(max_norm, "norm_clip")
         if self.backend in ("torch", "triton"):
-            _check_max_norm(max_norm)
             out, found_inf = self.norm(norm_type)
             return out, found_inf, self.clip_(max_norm, out)
         out = self._new_scalar("float32")
@@ -270,10 +269,13 @@ def _maybe_view(x):
     return x if isinstance(x, numbers.Real) else view(x)
 
 
-def _check_max_norm(max_norm):
-    if not (isinstance(max_norm, numbers.Real) and float(max_norm) > 0 and math.isfinite(max_norm)):
-        raise Error(f"GradPlan.clip_: argument 'max_norm' must be a finite number > 0 "
-                    f"(got {max_norm!r})")
+def _check_max_norm(max_norm, where):
+    """The C++ rule (grad::check_max_norm), for every backend: a real number,
+    finite, >= 0."""
+    if not isinstance(max_norm, numbers.Real) or isinstance(max_norm, bool):
+        raise Error(f"{where}: argument 'max_norm' must be a real number (got "
+                    f"{type(max_norm).__name__})")
+    native.grad_check_max_norm(float(max_norm), where)
 
 
 def _fingerprint(grads):

@@ -21,6 +21,7 @@ forces the torch-op backend on CPU tensors, "triton" the Triton kernels
 from . import _backend, _leanstep
 from ._arrays import dtype_name, empty, is_torch, native, opt_view, result, view
 from ._leanstep import Error
+from ._rules import host_int
 
 __all__ = [
     "moe_permute",
@@ -110,7 +111,7 @@ def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_p
         return _device_moe(chosen).permute(tokens, routing_map, probs, num_out_tokens,
                                            drop_and_pad, (method or "fused"))
     if num_out_tokens is not None:
-        num_out_tokens = int(num_out_tokens)
+        num_out_tokens = host_int(num_out_tokens, "permute", "num_out_tokens")
     rows = native.moe_permute_output_rows(routing_map, num_out_tokens, drop_and_pad)
     permuted = empty((rows,) + tuple(tokens.shape[1:]), dtype_name(tokens), tokens)
     permuted_probs = None if probs is None else empty((rows,), dtype_name(probs), tokens)
@@ -225,7 +226,7 @@ def pad_routing_map(routing_map, multiple, *, out=None, backend=None):
         return _torch_moe().pad_routing_map(routing_map, multiple, out)
     out = result(tuple(routing_map.shape), dtype_name(routing_map), routing_map, out,
                  "pad_routing_map", "out")
-    native.moe_pad_routing_map(routing_map, int(multiple), out)
+    native.moe_pad_routing_map(routing_map, host_int(multiple, "pad_routing_map", "multiple"), out)
     return out
 
 

@@ -169,6 +169,24 @@ void bind_grad(nb::module_& m) {
           nb::arg("inv_scale"), nb::arg("out_norm"), nb::arg("found_inf"),
           nb::arg("norm_type") = 2.0)
       .def(
+          "unscale",
+          [](const grad::Plan& p, InArray inv_scale, OutArray found_inf) {
+            const Tensor st = to_tensor(inv_scale, "inv_scale");
+            const Tensor ft = to_tensor(found_inf, "found_inf");
+            nb::gil_scoped_release release;
+            ops::grad_unscale(p, st, ft);
+          },
+          nb::arg("inv_scale"), nb::arg("found_inf"))
+      .def(
+          "unscale",
+          [](const grad::Plan& p, float inv_scale, OutArray found_inf) {
+            const Tensor ft = to_tensor(found_inf, "found_inf");
+            nb::gil_scoped_release release;
+            float scale_storage = inv_scale;  // the op takes the scale as backend memory
+            ops::grad_unscale(p, Tensor(&scale_storage, DType::kFloat32, {1}), ft);
+          },
+          nb::arg("inv_scale"), nb::arg("found_inf"))
+      .def(
           "clip",
           [](const grad::Plan& p, InArray total_norm, double max_norm,
              std::optional<OutArray> out_coeff) {
@@ -206,6 +224,12 @@ void bind_grad(nb::module_& m) {
             ops::grad_count_zeros(p, ct);
           },
           nb::arg("out_count"));
+
+  m.def(
+      "grad_check_max_norm",
+      [](double max_norm, const std::string& where) { grad::check_max_norm(max_norm, where); },
+      nb::arg("max_norm"), nb::arg("where"),
+      "The clip threshold's rule (finite, >= 0), shared by every backend.");
 
   m.def(
       "grad_multi_tensor_scale",

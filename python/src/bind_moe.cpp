@@ -47,7 +47,7 @@ void bind_moe(nb::module_& m) {
         const Tensor mt = to_tensor(routing_map, "routing_map"), pt = to_tensor(probs, "probs");
         const Tensor tt = to_tensor(tokens_per_expert, "tokens_per_expert");
         nb::gil_scoped_release release;
-        moe::route(lt, config, ptr(bias), mt, pt, tt);
+        ops::moe_route(lt, config, ptr(bias), mt, pt, tt);
       },
       nb::arg("logits"), nb::arg("topk"), nb::arg("score_function") = "softmax",
       nb::arg("pre_softmax") = false, nb::arg("normalize").none() = nb::none(),
@@ -144,7 +144,7 @@ void bind_moe(nb::module_& m) {
         const Tensor mt = to_tensor(routing_map, "routing_map");
         const Tensor dt = to_tensor(dprobs, "dprobs");
         nb::gil_scoped_release release;
-        moe::permute_probs_backward(dp, st, mt, drop_and_pad, dt);
+        ops::moe_permute_probs_backward(dp, st, mt, drop_and_pad, dt);
       },
       nb::arg("dpermuted_probs"), nb::arg("sorted_indices"), nb::arg("routing_map"),
       nb::arg("drop_and_pad"), nb::arg("dprobs"));
@@ -178,7 +178,7 @@ void bind_moe(nb::module_& m) {
       [](InArray routing_map, int64_t multiple, OutArray out) {
         const Tensor mt = to_tensor(routing_map, "routing_map"), ot = to_tensor(out, "out");
         nb::gil_scoped_release release;
-        moe::pad_routing_map(mt, multiple, ot);
+        ops::moe_pad_routing_map(mt, multiple, ot);
       },
       nb::arg("routing_map"), nb::arg("multiple"), nb::arg("out"));
 
@@ -191,7 +191,7 @@ void bind_moe(nb::module_& m) {
         const std::optional<Tensor> pt = to_tensor(probs, "probs");
         const std::optional<Tensor> opt = to_tensor(out_probs, "out_probs");
         nb::gil_scoped_release release;
-        moe::sort_chunks_by_idxs(rt, st, it, ot, ptr(pt), ptr(opt));
+        ops::moe_sort_chunks_by_idxs(rt, st, it, ot, ptr(pt), ptr(opt));
       },
       nb::arg("rows"), nb::arg("split_sizes"), nb::arg("sorted_idxs"), nb::arg("out"),
       nb::arg("probs").none() = nb::none(), nb::arg("out_probs").none() = nb::none());

@@ -32,6 +32,7 @@ struct InPlace<void(const grad::PlanView&, Rest...)> {
   }
 };
 constexpr char kUnscaleNorm[] = "grad.unscale_norm";
+constexpr char kUnscale[] = "grad.unscale";
 constexpr char kClip[] = "grad.clip";
 constexpr char kNormClip[] = "grad.norm_clip";
 constexpr char kScale[] = "grad.scale";
@@ -46,6 +47,13 @@ void unscale_norm_reference(const grad::PlanView& plan, const Tensor& inv_scale,
                             const Tensor& found_inf, double norm_type, comm::Communicator* comm,
                             const dispatch::Context&) {
   grad::reference::unscale_norm(plan.views(), inv_scale, out_norm, found_inf, norm_type, comm);
+}
+// unscale is unscale_norm whose norm nobody reads: the same pass, the same
+// grads and found_inf, the norm left in a local scratch value.
+void unscale_reference(const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& found_inf,
+                       const dispatch::Context&) {
+  float unused = 0.0f;
+  grad::reference::unscale_norm(plan.views(), inv_scale, Tensor(&unused, DType::kFloat32, {1}), found_inf);
 }
 void clip_reference(const grad::PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff,
                     const dispatch::Context&) {
@@ -83,6 +91,11 @@ void unscale_norm_fused(const grad::PlanView& plan, const Tensor& inv_scale, con
                         const Tensor& found_inf, double norm_type, comm::Communicator* comm,
                         const dispatch::Context&) {
   grad::unscale_norm(plan, inv_scale, out_norm, found_inf, norm_type, comm);
+}
+void unscale_fused(const grad::PlanView& plan, const Tensor& inv_scale, const Tensor& found_inf,
+                   const dispatch::Context&) {
+  float unused = 0.0f;
+  grad::unscale_norm(plan, inv_scale, Tensor(&unused, DType::kFloat32, {1}), found_inf);
 }
 void clip_fused(const grad::PlanView& plan, const Tensor& total_norm, double max_norm, const Tensor* out_coeff,
                 const dispatch::Context&) {
@@ -127,6 +140,10 @@ dispatch::Op<GradNormSig>* grad_norm(const char* name) {
 dispatch::Op<GradUnscaleNormSig>* grad_unscale_norm(const char* name) {
   return make_op<GradUnscaleNormSig>(name, &unscale_norm_reference, &unscale_norm_fused,
                                      &InPlace<GradUnscaleNormSig>::precondition<kUnscaleNorm>);
+}
+dispatch::Op<GradUnscaleSig>* grad_unscale(const char* name) {
+  return make_op<GradUnscaleSig>(name, &unscale_reference, &unscale_fused,
+                                 &InPlace<GradUnscaleSig>::precondition<kUnscale>);
 }
 dispatch::Op<GradClipSig>* grad_clip(const char* name) {
   return make_op<GradClipSig>(name, &clip_reference, &clip_fused, &InPlace<GradClipSig>::precondition<kClip>);

@@ -1,4 +1,8 @@
-// MoE permutation ops: the "sort" method is the reference, "fused" the fast path.
+// MoE ops. Permutation: the "sort" method is the reference, "fused" the fast
+// path. Routing, routing-map padding, chunk sorting and the probs gradient of
+// permute have one implementation each (single passes with nothing to fuse):
+// their reference, in the table so that the preset, the counts and the
+// report cover them like every other op.
 #include "dispatch/builtin.h"
 
 namespace leanstep::ops {
@@ -29,6 +33,22 @@ void unpermute_backward(const Tensor& dout, const Tensor& permuted, const Tensor
                           dprobs);
 }
 
+void permute_probs_backward(const Tensor& dpermuted_probs, const Tensor& sorted_indices, const Tensor& routing_map,
+                            bool drop_and_pad, const Tensor& dprobs, const dispatch::Context&) {
+  moe::permute_probs_backward(dpermuted_probs, sorted_indices, routing_map, drop_and_pad, dprobs);
+}
+void pad_routing_map(const Tensor& routing_map, int64_t multiple, const Tensor& out, const dispatch::Context&) {
+  moe::pad_routing_map(routing_map, multiple, out);
+}
+void sort_chunks_by_idxs(const Tensor& rows, const Tensor& split_sizes, const Tensor& sorted_idxs, const Tensor& out,
+                         const Tensor* probs, const Tensor* out_probs, const dispatch::Context&) {
+  moe::sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, out, probs, out_probs);
+}
+void route(const Tensor& logits, const moe::RoutingConfig& config, const Tensor* expert_bias,
+           const Tensor& routing_map, const Tensor& probs, const Tensor& tokens_per_expert, const dispatch::Context&) {
+  moe::route(logits, config, expert_bias, routing_map, probs, tokens_per_expert);
+}
+
 // The fused method handles every input the sort method does (bit-identical
 // outputs), so it has no guard.
 template <class Sig>
@@ -56,6 +76,19 @@ dispatch::Op<MoePermuteBackwardSig>* moe_permute_backward(const char* name) {
 dispatch::Op<MoeUnpermuteBackwardSig>* moe_unpermute_backward(const char* name) {
   return make_op<MoeUnpermuteBackwardSig>(name, &unpermute_backward<moe::Method::kSort>,
                                           &unpermute_backward<moe::Method::kFused>);
+}
+
+dispatch::Op<MoePermuteProbsBackwardSig>* moe_permute_probs_backward(const char* name) {
+  return new dispatch::Op<MoePermuteProbsBackwardSig>(name, "reference", &permute_probs_backward);
+}
+dispatch::Op<MoePadRoutingMapSig>* moe_pad_routing_map(const char* name) {
+  return new dispatch::Op<MoePadRoutingMapSig>(name, "reference", &pad_routing_map);
+}
+dispatch::Op<MoeSortChunksByIdxsSig>* moe_sort_chunks_by_idxs(const char* name) {
+  return new dispatch::Op<MoeSortChunksByIdxsSig>(name, "reference", &sort_chunks_by_idxs);
+}
+dispatch::Op<MoeRouteSig>* moe_route(const char* name) {
+  return new dispatch::Op<MoeRouteSig>(name, "reference", &route);
 }
 
 }  // namespace builtin

@@ -10,8 +10,10 @@
 
 #include <algorithm>
 #include <map>
+#include <string>
 
 #include "leanstep/grad.h"
+#include "grad/checks.h"
 
 namespace leanstep::grad {
 namespace {
@@ -147,6 +149,10 @@ Plan::Plan(std::span<const Tensor> grads, std::span<const Tensor> declared_buffe
 void check_in_place(const PlanView& plan, std::string_view where) {
   const int64_t i = plan.first_self_overlapping();
   if (i >= 0) check_no_self_overlap(plan.views()[static_cast<size_t>(i)], where, fmt::format("grads[{}]", i));
+}
+
+void check_max_norm(double max_norm, std::string_view where) {
+  detail::check_max_norm(max_norm, std::string(where).c_str());
 }
 
 PlanView Plan::view() const {

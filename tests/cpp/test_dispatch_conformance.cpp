@@ -23,6 +23,7 @@
 
 #include <hwy/targets.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -263,6 +264,11 @@ OpCases grad_cases(const std::string& op_name) {
             return std::nullopt;
           out = grads_after(g, 0, 0);
           out.push_back(within("norm", norm, kNormUlps));
+          out.push_back(bitwise("found_inf", found));
+        } else if (op_name == "grad.unscale") {
+          Buffer inv = scalar(DType::kFloat32, 0.25);
+          if (!run_impl(ops::grad_unscale_op(), impl, plan, inv.view(), found.view())) return std::nullopt;
+          out = grads_after(g, 0, 0);
           out.push_back(bitwise("found_inf", found));
         } else if (op_name == "grad.clip") {
           Buffer total = scalar(DType::kFloat32, 3.75);
@@ -602,6 +608,127 @@ OpCases moe_cases(const std::string& op_name) {
   return spec;
 }
 
+// The MoE ops with one implementation (their reference): held to themselves
+// here, to their oracles in tests/cpp/test_moe*.cpp; listed so that every op
+// of the table runs on every target and gets its digest.
+OpCases moe_probs_backward_cases() {
+  OpCases spec{"moe.permute_probs_backward", {}};
+  for (const MoeShape& s : moe_shapes()) {
+    spec.cases.push_back({moe_name(s), [s](const std::string& impl, uint64_t seed) -> std::optional<Outputs> {
+      Routed r = route_case(s, seed);
+      ops::moe_permute_op().call_impl("sort", r.tokens.view(), r.map.view(), nullptr, r.num_out, s.drop_and_pad,
+                                      r.permuted.view(), nullptr, r.indices.view(), kHost);
+      std::mt19937_64 rng(seed ^ 0x5bd1e995ULL);
+      Buffer dpermuted_probs(DType::kFloat32, {r.rows}), dprobs(DType::kFloat32, {s.T, s.E});
+      fill_normal(dpermuted_probs.view(), rng);
+      if (!run_impl(ops::moe_permute_probs_backward_op(), impl, dpermuted_probs.view(), r.indices.view(),
+                    r.map.view(), s.drop_and_pad, dprobs.view()))
+        return std::nullopt;
+      return make_outputs(bitwise("dprobs", dprobs));
+    }});
+  }
+  return spec;
+}
+
+OpCases pad_routing_map_cases() {
+  OpCases spec{"moe.pad_routing_map", {}};
+  for (const MoeShape& s : moe_shapes()) {
+    for (int64_t multiple : {1, 4, 7}) {
+      spec.cases.push_back({moe_name(s) + ", multiple " + std::to_string(multiple),
+                            [s, multiple](const std::string& impl, uint64_t seed) -> std::optional<Outputs> {
+        Routed r = route_case(s, seed);
+        Buffer out(DType::kBool, {s.T, s.E});
+        if (!run_impl(ops::moe_pad_routing_map_op(), impl, r.map.view(), multiple, out.view())) return std::nullopt;
+        return make_outputs(bitwise("out", out));
+      }});
+    }
+  }
+  return spec;
+}
+
+OpCases sort_chunks_cases() {
+  OpCases spec{"moe.sort_chunks_by_idxs", {}};
+  struct Chunks {
+    std::vector<int64_t> sizes;
+    int64_t extra_rows, hidden;
+    DType dtype;
+    bool probs;
+  };
+  const DType f32 = DType::kFloat32, bf16 = DType::kBFloat16, f16 = DType::kFloat16;
+  const std::vector<Chunks> shapes = {
+      {{}, 0, 8, f32, false},          {{0, 0}, 3, 5, f32, true},      {{3, 0, 5, 1}, 0, 17, bf16, true},
+      {{7, 2, 9}, 4, 2050, f16, false}, {{1, 1, 1, 1, 1, 1, 1}, 0, 1, f32, true},
+  };
+  for (const Chunks& c : shapes) {
+    std::string name = "sizes";
+    for (int64_t v : c.sizes) name += " " + std::to_string(v);
+    name += ", +" + std::to_string(c.extra_rows) + " rows, H" + std::to_string(c.hidden) + " " + dtype_name(c.dtype) +
+            (c.probs ? ", probs" : "");
+    spec.cases.push_back({name, [c](const std::string& impl, uint64_t seed) -> std::optional<Outputs> {
+      std::mt19937_64 rng(seed);
+      int64_t rows = c.extra_rows;
+      for (int64_t v : c.sizes) rows += v;
+      std::vector<int64_t> order(c.sizes.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+      std::shuffle(order.begin(), order.end(), rng);
+      Buffer sizes = testing::index_buffer(c.sizes), idxs = testing::index_buffer(order);
+      Buffer in(c.dtype, {rows, c.hidden}), out(c.dtype, {rows, c.hidden});
+      Buffer probs(DType::kFloat32, {rows}), out_probs(DType::kFloat32, {rows});
+      fill_normal(in.view(), rng);
+      fill_normal(probs.view(), rng);
+      fill_normal(out.view(), rng);  // rows beyond the chunks keep their place: start from noise
+      if (!run_impl(ops::moe_sort_chunks_by_idxs_op(), impl, in.view(), sizes.view(), idxs.view(), out.view(),
+                    c.probs ? &probs.view() : nullptr, c.probs ? &out_probs.view() : nullptr))
+        return std::nullopt;
+      Outputs o = make_outputs(bitwise("out", out));
+      if (c.probs) o.push_back(bitwise("out_probs", out_probs));
+      return o;
+    }});
+  }
+  return spec;
+}
+
+OpCases route_cases() {
+  OpCases spec{"moe.route", {}};
+  struct Routing {
+    int64_t T, E, k;
+    DType dtype;
+    moe::ScoreFunction score;
+    std::optional<double> capacity_factor;
+    bool pad_to_capacity;
+  };
+  using SF = moe::ScoreFunction;
+  const std::vector<Routing> shapes = {
+      {0, 4, 2, DType::kFloat32, SF::kSoftmax, std::nullopt, false},
+      {1, 1, 1, DType::kFloat32, SF::kSigmoid, std::nullopt, false},
+      {37, 8, 2, DType::kBFloat16, SF::kSoftmax, 1.0, false},
+      {64, 16, 4, DType::kFloat16, SF::kSigmoid, 0.5, true},
+      {33, 5, 3, DType::kFloat32, SF::kSoftmax, std::nullopt, false},
+  };
+  for (const Routing& c : shapes) {
+    const std::string name = "T" + std::to_string(c.T) + " E" + std::to_string(c.E) + " k" + std::to_string(c.k) +
+                             " " + dtype_name(c.dtype) + (c.score == SF::kSigmoid ? ", sigmoid" : ", softmax") +
+                             (c.capacity_factor ? ", capacity" : "") + (c.pad_to_capacity ? ", padded" : "");
+    spec.cases.push_back({name, [c](const std::string& impl, uint64_t seed) -> std::optional<Outputs> {
+      std::mt19937_64 rng(seed);
+      Buffer logits(c.dtype, {c.T, c.E}), map(DType::kBool, {c.T, c.E}), probs(DType::kFloat32, {c.T, c.E});
+      Buffer counts(DType::kInt64, {c.E});
+      fill_normal(logits.view(), rng);
+      moe::RoutingConfig config;
+      config.topk = c.k;
+      config.score_function = c.score;
+      config.capacity_factor = c.capacity_factor;
+      config.pad_to_capacity = c.pad_to_capacity;
+      if (!run_impl(ops::moe_route_op(), impl, logits.view(), config, nullptr, map.view(), probs.view(),
+                    counts.view()))
+        return std::nullopt;
+      return make_outputs(bitwise("routing_map", map), bitwise("probs", probs),
+                          bitwise("tokens_per_expert", counts));
+    }});
+  }
+  return spec;
+}
+
 // ---------------------------------------------------------------- the case lists, one per op
 
 // One entry per op of the table, in its order; a new op fails the
@@ -613,6 +740,7 @@ struct CaseList {
 constexpr CaseList kCaseLists[] = {
     {"grad.norm", [] { return grad_cases("grad.norm"); }},
     {"grad.unscale_norm", [] { return grad_cases("grad.unscale_norm"); }},
+    {"grad.unscale", [] { return grad_cases("grad.unscale"); }},
     {"grad.clip", [] { return grad_cases("grad.clip"); }},
     {"grad.norm_clip", [] { return grad_cases("grad.norm_clip"); }},
     {"grad.scale", [] { return grad_cases("grad.scale"); }},
@@ -624,6 +752,10 @@ constexpr CaseList kCaseLists[] = {
     {"moe.unpermute", [] { return moe_cases("moe.unpermute"); }},
     {"moe.permute_backward", [] { return moe_cases("moe.permute_backward"); }},
     {"moe.unpermute_backward", [] { return moe_cases("moe.unpermute_backward"); }},
+    {"moe.permute_probs_backward", &moe_probs_backward_cases},
+    {"moe.pad_routing_map", &pad_routing_map_cases},
+    {"moe.sort_chunks_by_idxs", &sort_chunks_cases},
+    {"moe.route", &route_cases},
 };
 static_assert(std::size(kCaseLists) == ops::kNumOps,
               "every op of the table needs its case list in the conformance harness");

@@ -125,3 +125,112 @@ def test_moe_calls_go_through_the_registry_unless_a_method_is_forced(torch_gen):
             assert b is None and c is None
             continue
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+# ---------------------------------------------------------------- one op vocabulary
+
+def _entry(path):
+    obj = leanstep
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_every_op_of_the_table_has_a_python_entry_and_back():
+    from leanstep import _dispatch
+
+    table = leanstep.ops()
+    assert list(table) == [name for name, _ in leanstep._leanstep.dispatch_op_table()]
+    assert set(_dispatch.ENTRY_POINTS) == set(table), (
+        "ops without a Python entry point: "
+        f"{sorted(set(table) - set(_dispatch.ENTRY_POINTS))}; entry points without a row: "
+        f"{sorted(set(_dispatch.ENTRY_POINTS) - set(table))}")
+    for op, path in _dispatch.ENTRY_POINTS.items():
+        assert callable(_entry(path)), (op, path)
+    # The report covers exactly the vocabulary (nothing reported outside it).
+    assert set(leanstep.paths()["ops"]) == set(table)
+
+
+def test_the_device_backends_implement_what_the_table_says():
+    from leanstep.backends import IMPLEMENTATIONS
+
+    table = leanstep.ops()
+    for backend, implemented in IMPLEMENTATIONS.items():
+        declared = {op for op, backends in table.items() if backend in backends}
+        assert set(implemented) == declared, backend
+    assert all(backends[0] == "cpu" for backends in table.values())
+
+
+def test_a_call_counted_under_a_name_outside_the_table_is_refused():
+    from leanstep import _backend
+
+    with pytest.raises(leanstep.Error, match="'grad.unscale_all' is not in the op table"):
+        _backend.record("grad.unscale_all", "cpu", "cpu")
+
+
+def test_ops_with_one_cpu_implementation_are_counted_and_switched_alike(torch_gen):
+    # The ops that were outside the table: routed through the registry now,
+    # counted per call, and their names accepted by the preset.
+    leanstep.reset_paths()
+    routing_map = torch.zeros(6, 3, dtype=torch.bool)
+    routing_map[torch.arange(6), torch.arange(6) % 3] = True
+    leanstep.pad_routing_map(routing_map, 4)
+    rows = torch.randn(6, 5, generator=torch_gen)
+    leanstep.sort_chunks_by_idxs(rows, torch.tensor([2, 4]), torch.tensor([1, 0]))
+    leanstep.moe_route(torch.randn(6, 3, generator=torch_gen), 2)
+    plan = leanstep.GradPlan([torch.randn(9, generator=torch_gen)])
+    plan.unscale_(0.5)
+    for op, impl in [("moe.pad_routing_map", "reference"), ("moe.sort_chunks_by_idxs", "reference"),
+                     ("moe.route", "reference"), ("grad.unscale", "fused")]:
+        assert impl_calls(op).get(impl) == 1, op
+    leanstep.set_preset("grad.unscale,moe.route")
+    plan.unscale_(0.5)
+    leanstep.set_preset("baseline")
+    plan.unscale_(0.5)
+    assert impl_calls("grad.unscale") == {"fused": 2, "reference": 1}
+
+
+# ---------------------------------------------------------------- one rule on every backend
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_max_norm_has_one_rule_on_every_backend(backend, torch_gen):
+    # The C++ rule (grad::check_max_norm): finite and >= 0; 0 zeroes the grads
+    # (torch's clip_grad_norm_ does the same), on every backend alike.
+    grads = [torch.randn(37, generator=torch_gen), torch.randn(5, 3, generator=torch_gen)]
+    plan = leanstep.GradPlan(grads, backend=backend)
+    norm, _ = plan.norm()
+    coeff = plan.clip_(0.0, norm)
+    assert coeff.item() == 0.0 and all(bool((g == 0).all()) for g in grads)
+    for bad, shown in [(-1.0, r"\(got -1\)"), (float("nan"), r"\(got nan\)"),
+                       (float("inf"), r"\(got inf\)")]:
+        with pytest.raises(leanstep.Error, match=r"clip: argument 'max_norm' must be finite and "
+                                                 r">= 0 " + shown):
+            plan.clip_(bad, norm)
+        with pytest.raises(leanstep.Error, match=r"norm_clip: argument 'max_norm' must be finite"):
+            plan.norm_clip_(bad)
+    with pytest.raises(leanstep.Error, match=r"clip: argument 'max_norm' must be a real number "
+                                             r"\(got str\)"):
+        plan.clip_("1.0", norm)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_integer_arguments_are_never_truncated(backend, torch_gen):
+    # num_out_tokens=20.7 and multiple=2.5 were truncated on the CPU path and
+    # refused on the device path: one rule now (leanstep._rules.host_int).
+    routing_map = torch.zeros(8, 4, dtype=torch.bool)
+    routing_map[torch.arange(8), torch.arange(8) % 4] = True
+    tokens = torch.randn(8, 6, generator=torch_gen)
+    with pytest.raises(leanstep.Error, match=r"permute: argument 'num_out_tokens' must be a host "
+                                             r"integer \(got float\)"):
+        leanstep.moe_permute(tokens, routing_map, num_out_tokens=20.7, backend=backend)
+    with pytest.raises(leanstep.Error, match=r"pad_routing_map: argument 'multiple' must be a host "
+                                             r"integer \(got float\)"):
+        leanstep.pad_routing_map(routing_map, 2.5, backend=backend)
+    with pytest.raises(leanstep.Error, match=r"must be a host integer \(got bool\)"):
+        leanstep.pad_routing_map(routing_map, True, backend=backend)
+    # Integers of any kind are taken: a NumPy integer and a 0-dim integer tensor.
+    import numpy as np
+
+    a = leanstep.moe_permute(tokens, routing_map, num_out_tokens=np.int64(10), backend=backend)
+    b = leanstep.moe_permute(tokens, routing_map, num_out_tokens=torch.tensor(10), backend=backend)
+    assert a[0].shape == b[0].shape == (10, 6) and torch.equal(a[0], b[0])

@@ -26,12 +26,11 @@ zero row appended (index -1 reads it). The appended row costs one copy of
 which top-k routing makes k times larger.
 """
 
-import operator
-
 import torch
 import torch.nn.functional as F
 
 from .._leanstep import Error
+from .._rules import host_int as _host_int
 
 METHODS = ("sort", "fused")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -83,14 +82,6 @@ def _check_indices(sorted_indices, where, rows, num_tokens):
         in_range = ((sorted_indices >= -1) & (sorted_indices < num_tokens)).all()
         torch._assert_async(in_range, f"{where}: argument 'sorted_indices' must hold token indices "
                                       f"in [-1, T={num_tokens})")
-
-
-def _host_int(value, where, name):
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise Error(f"{where}: argument '{name}' must be a host integer "
-                    f"(got {type(value).__name__})") from None
 
 
 def _wide_dtype(device):

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._rules import host_int
 from . import torch_moe as tm
 from . import triton_common as tc
 from .triton_common import bf16_bits_to_f32, f32_to_bf16_bits
@@ -240,7 +241,7 @@ def permute_backward(dpermuted, sorted_indices, num_tokens):
     of the rows of t's slots in increasing slot order, cast once (the
     unpermute kernel without probs)."""
     tm._check_rows_in(dpermuted, "permute_backward", "dpermuted")
-    num_tokens = tm._host_int(num_tokens, "permute_backward", "num_tokens")
+    num_tokens = host_int(num_tokens, "permute_backward", "num_tokens")
     if num_tokens < 0:
         tm._fail("permute_backward", "num_tokens", f"must be >= 0 (got {num_tokens})")
     return unpermute(dpermuted, sorted_indices, (num_tokens, dpermuted.shape[1]))

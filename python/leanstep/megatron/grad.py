@@ -332,7 +332,7 @@ SPECS = [
                   functools.partial(_make_count_zeros_fp32, with_expert_tp=True))],
          ALIAS_MODULES, requires_area="grad",
          host_read="returns a Python number (the installed API)"),
-    Spec("unscale_and_check_for_nan", "grad.unscale_norm", OPTIMIZER, "_unscale_main_grads_and_check_for_nan",
+    Spec("unscale_and_check_for_nan", "grad.unscale", OPTIMIZER, "_unscale_main_grads_and_check_for_nan",
          [Variant("0.16-0.19", [("self", EMPTY)], _make_unscale_and_check)],
          class_attr="MixedPrecisionOptimizer", requires_area="grad",
          host_read="found_inf as a Python bool: the optimizer's step branches on it"),
