@@ -105,6 +105,10 @@ class _ExactForwardFrozenRMSNorm(torch.autograd.Function):
 _decisions = {}  # rmsnorm_decide is a pure function of the call's features: asked once each
 
 
+def _count_triton_backward(device_type, reason):
+    _backend.record("rmsnorm.backward", "triton", device_type, reason)
+
+
 def _decide(context):
     key = tuple(context.items())
     decision = _decisions.get(key)
@@ -142,7 +146,8 @@ def rms_norm(x, weight, eps=1e-6, zero_centered_gamma=False, rounding="scale_the
     if chosen == "triton":
         from .backends import triton_rmsnorm
 
-        return triton_rmsnorm.rms_norm(x, weight, float(eps), zero_centered_gamma, rounding)
+        return triton_rmsnorm.rms_norm(x, weight, float(eps), zero_centered_gamma, rounding,
+                                       _count_triton_backward)
     wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     context = dict(_no_features(), weight_requires_grad=bool(
         torch.is_grad_enabled() and weight.requires_grad))
@@ -348,7 +353,7 @@ class RMSNorm(torch.nn.RMSNorm):
             from .backends import triton_rmsnorm
 
             return triton_rmsnorm.rms_norm(x, self.weight, float(eps), self.zero_centered_gamma,
-                                           self.rounding)
+                                           self.rounding, _count_triton_backward)
         if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             y = _fresh_like(x)
             rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)

@@ -293,23 +293,23 @@ class RMSNormFunction(torch.autograd.Function):
     only when the weight needs a gradient (frozen: dx only, one launch)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, zero_centered_gamma, rounding):
+    def forward(ctx, x, weight, eps, zero_centered_gamma, rounding, on_backward):
         y, rstd = forward(x, weight, eps, zero_centered_gamma, rounding)
         ctx.save_for_backward(x, weight, rstd)
         ctx.zero_centered_gamma = zero_centered_gamma
+        ctx.on_backward = on_backward
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        from .. import _backend
-
         x, weight, rstd = ctx.saved_tensors
         trainable = bool(ctx.needs_input_grad[1])
-        _backend.record("rmsnorm.backward", "triton", x.device.type,
-                        "trainable: dx and dweight" if trainable else "frozen: dx only")
+        if ctx.on_backward is not None:  # the caller counts the call (backends count nothing)
+            ctx.on_backward(x.device.type,
+                            "trainable: dx and dweight" if trainable else "frozen: dx only")
         dx, dweight = backward(dy if dy.is_contiguous() else dy.contiguous(), x, rstd, weight,
                                ctx.zero_centered_gamma, trainable)
-        return dx, dweight, None, None, None
+        return dx, dweight, None, None, None, None
 
 
 def backward_dx(dy, x, rstd, weight, zero_centered_gamma=False):
@@ -319,9 +319,11 @@ def backward_dx(dy, x, rstd, weight, zero_centered_gamma=False):
                     False)[0]
 
 
-def rms_norm(x, weight, eps, zero_centered_gamma=False, rounding="scale_then_cast"):
+def rms_norm(x, weight, eps, zero_centered_gamma=False, rounding="scale_then_cast",
+             on_backward=None):
     """The autograd entry point: the Function when a gradient is wanted,
-    else the forward kernel alone."""
+    else the forward kernel alone. ``on_backward(device_type, reason)`` is
+    called when the backward runs (the caller's call count)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return RMSNormFunction.apply(x, weight, eps, zero_centered_gamma, rounding)
+        return RMSNormFunction.apply(x, weight, eps, zero_centered_gamma, rounding, on_backward)
     return forward(x, weight, eps, zero_centered_gamma, rounding)[0]
