@@ -148,6 +148,11 @@ void check_in_place(const PlanView& plan, std::string_view where);
 // clip_grad_norm_ does).
 void check_max_norm(double max_norm, std::string_view where);
 
+// The rule of a 1-element backend scalar (a norm, found_inf, a clip coefficient,
+// a zero count) of `dtype`, on any device, from its metadata: the device
+// backends check outputs given to them with it.
+void check_scalar_arg(const Tensor& t, DType dtype, std::string_view where, std::string_view arg);
+
 // Total norm: (sum over views of sum |x|^p)^(1/p), p = 2 (L2), kInfNorm
 // (max |x|, NaN propagates) or any p > 0. Sums of p-th powers are
 // accumulated in double (fp32 squares cannot overflow it), chunk partials

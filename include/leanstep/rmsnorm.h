@@ -68,6 +68,17 @@ void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const
 // chunk of rows when trainable, 0 when frozen.
 size_t backward_fused_workspace_bytes(const Tensor& x, bool trainable);
 
+// The argument rules of the kernels above (shapes, dtypes, contiguity, overlaps,
+// eps, rounding) for tensors of any device, from metadata only: data addresses
+// are compared, never read. The Python device backends (torch ops, Triton)
+// check with these before they launch anything, so every backend refuses the
+// same inputs with the same message. Errors name the Python arguments' callers
+// ("rms_norm", "rms_norm_backward").
+void check_forward_args(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,
+                        const Options& options);
+void check_backward_args(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
+                         const Tensor& dx, const Tensor* dgamma);
+
 // ---------------------------------------------------------------- feature delegation
 //
 // A call describes its context. The frozen direct path is taken only when the

@@ -12,6 +12,7 @@ import numbers
 
 from . import _backend, _leanstep
 from ._leanstep import Error
+from ._rules import check_scalar
 from ._arrays import Native, dtype_name, is_torch, native, torch_module, view, zeros
 
 __all__ = ["GradPlan", "multi_tensor_scale", "build_ddp_buffers", "ddp_grad_buffers", "model_params"]
@@ -158,6 +159,9 @@ class GradPlan:
             raise Error(f"GradPlan.norm: argument 'norm_type' must be > 0 or inf (got {norm_type})")
         if isinstance(inv_scale, numbers.Real) and not math.isfinite(float(inv_scale)):
             raise Error(f"GradPlan.norm: argument 'inv_scale' must be finite (got {inv_scale})")
+        if self.backend in ("torch", "triton"):  # given outputs: the CPU kernels' rule
+            check_scalar(out, "float32", "GradPlan.norm", "out")
+            check_scalar(found_inf, "float32", "GradPlan.norm", "found_inf")
         if self.backend == "triton":  # a new found_inf is assigned by the kernel: no zero fill
             self._record("unscale_norm" if inv_scale is not None else "norm", norm_type)
             return self._torch_plan.norm(norm_type, None if out is None else view(out),
@@ -186,6 +190,7 @@ class GradPlan:
         found_inf = self._new_scalar("float32") if found_inf is None else view(found_inf)
         self._record("unscale")
         if self.backend in ("torch", "triton"):
+            check_scalar(found_inf, "float32", "GradPlan.unscale_", "found_inf")
             self._torch_plan.unscale(_maybe_view(inv_scale), found_inf)
             return found_inf
         if isinstance(inv_scale, numbers.Real):
@@ -203,6 +208,7 @@ class GradPlan:
         _check_max_norm(max_norm, "clip")
         self._record("clip")
         if self.backend in ("torch", "triton"):
+            check_scalar(coeff_out, "float32", "GradPlan.clip_", "coeff_out")
             return self._torch_plan.clip(_maybe_view(norm), float(max_norm),
                                          None if coeff_out is None else view(coeff_out))
         coeff = self._new_scalar("float32") if coeff_out is None else view(coeff_out)
@@ -237,6 +243,7 @@ class GradPlan:
         self._check_current("count_zeros")
         self._record("count_zeros")
         if self.backend in ("torch", "triton"):
+            check_scalar(out, "int64", "GradPlan.count_zeros", "out")
             return self._torch_plan.count_zeros(None if out is None else view(out))
         out = self._new_scalar("int64") if out is None else view(out)
         self._core.count_zeros(out)

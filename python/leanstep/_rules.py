@@ -3,6 +3,7 @@ each rule has one copy (the rules on tensors live in the C++ checks)."""
 
 import operator
 
+from . import _leanstep
 from ._leanstep import Error
 
 
@@ -17,3 +18,74 @@ def host_int(value, where, name):
     except TypeError:
         raise Error(f"{where}: argument '{name}' must be a host integer "
                     f"(got {type(value).__name__})") from None
+
+
+# ---------------------------------------------------------------- tensor rules on metadata
+# The device backends check their tensors with the C++ kernels' own rules
+# (leanstep/rmsnorm.h check_*_args), from metadata: (address, dtype, shape,
+# strides). Real tensors give their data address; meta tensors, which have
+# none, an address per storage of the call (so views of one storage overlap
+# as they would); outputs not allocated yet, an address of their own. The
+# addresses are compared for overlap, never read.
+_META_BASE = 1 << 61
+_PLANNED_BASE = 1 << 62
+_SPAN = 1 << 52
+
+
+def _dtype_name(t):
+    return str(t.dtype).removeprefix("torch.")
+
+
+def tensor_metas(tensors):
+    """Metadata of each tensor (None stays None)."""
+    storages = {}
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        if t.device.type == "meta":
+            key = t.untyped_storage()._cdata
+            base = storages.setdefault(key, _META_BASE + len(storages) * _SPAN)
+            address = base + t.storage_offset() * t.element_size()
+        else:
+            address = t.data_ptr()
+        out.append((address, _dtype_name(t), tuple(t.shape), tuple(t.stride())))
+    return out
+
+
+def planned_meta(shape, dtype_name, slot):
+    """Metadata of an output the backend will allocate (contiguous, its own memory)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return (_PLANNED_BASE + slot * _SPAN, dtype_name, tuple(shape), tuple(reversed(strides)))
+
+
+def check_rms_norm(x, weight, eps, zero_centered_gamma, rounding):
+    """RMSNorm forward's rules (the CPU kernels'), for a backend that allocates
+    y (x's dtype and shape) and rstd (fp32, x.shape[:-1])."""
+    if not isinstance(rounding, str):
+        raise Error(f"rms_norm: argument 'rounding' must be scale_then_cast or cast_then_scale "
+                    f"(got {rounding!r})")
+    xm, wm = tensor_metas([x, weight])
+    _leanstep.rmsnorm_check_forward(xm, wm, planned_meta(x.shape, _dtype_name(x), 0),
+                                    planned_meta(x.shape[:-1], "float32", 1), float(eps),
+                                    bool(zero_centered_gamma), rounding)
+
+
+def check_rms_norm_backward(dy, x, rstd, weight, weight_requires_grad):
+    """RMSNorm backward's rules, for a backend that allocates dx (x's dtype
+    and shape) and, when the weight is trained, dweight (weight's)."""
+    dym, xm, rm, wm = tensor_metas([dy, x, rstd, weight])
+    dweight = planned_meta(weight.shape, _dtype_name(weight), 1) if weight_requires_grad else None
+    _leanstep.rmsnorm_check_backward(dym, xm, rm, wm, planned_meta(x.shape, _dtype_name(x), 0),
+                                     dweight)
+
+
+def check_scalar(t, dtype_name, where, name):
+    """A 1-element backend scalar of `dtype_name` given to a device backend
+    (out=, found_inf=): the C++ rule (grad::check_scalar_arg)."""
+    if t is not None:
+        _leanstep.grad_check_scalar(tensor_metas([t])[0], dtype_name, where, name)

@@ -27,6 +27,11 @@ using OutArray = nb::ndarray<>;
 Tensor to_tensor(const InArray& array, std::string_view arg);
 Tensor to_tensor(const OutArray& array, std::string_view arg);
 
+// A tensor's metadata from Python, (address, dtype name, shape, strides in
+// elements), as a view that is never read: the device backends' checks with
+// the C++ rules (leanstep._rules).
+Tensor meta_tensor(const nb::tuple& meta, std::string_view where, std::string_view arg);
+
 template <class Array>
 std::optional<Tensor> to_tensor(const std::optional<Array>& array, std::string_view arg) {
   if (!array) return std::nullopt;

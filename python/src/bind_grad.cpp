@@ -226,6 +226,14 @@ void bind_grad(nb::module_& m) {
           nb::arg("out_count"));
 
   m.def(
+      "grad_check_scalar",
+      [](const nb::tuple& meta, const std::string& dtype, const std::string& where, const std::string& arg) {
+        grad::check_scalar_arg(meta_tensor(meta, where, arg), dtype_from_name(dtype), where, arg);
+      },
+      nb::arg("meta"), nb::arg("dtype"), nb::arg("where"), nb::arg("arg"),
+      "The rule of a 1-element backend scalar, on metadata (the device backends' outputs).");
+
+  m.def(
       "grad_check_max_norm",
       [](double max_norm, const std::string& where) { grad::check_max_norm(max_norm, where); },
       nb::arg("max_norm"), nb::arg("where"),

@@ -1,11 +1,14 @@
 // RMSNorm: forward/backward kernels (fused and reference), the routed entry
 // points with their feature-delegation decision, and path statistics.
+#include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <leanstep/ops.h>
 #include <leanstep/rmsnorm.h>
@@ -52,9 +55,42 @@ rmsnorm::CallContext make_context(bool weight_requires_grad, bool fp8_output, bo
   return c;
 }
 
+void check_rounding(const std::string& rounding, const char* where) {
+  if (rounding != "scale_then_cast" && rounding != "cast_then_scale")
+    throw_arg_error(where, "rounding", "must be scale_then_cast or cast_then_scale (got '" + rounding + "')");
+}
+
 }  // namespace
 
 void bind_rmsnorm(nb::module_& m) {
+  m.def(
+      "rmsnorm_check_forward",
+      [](const nb::tuple& x, const nb::tuple& weight, const nb::tuple& y, const nb::tuple& rstd, double eps,
+         bool zero_centered_gamma, const std::string& rounding) {
+        check_rounding(rounding, "rms_norm");
+        rmsnorm::check_forward_args(meta_tensor(x, "rms_norm", "x"), meta_tensor(weight, "rms_norm", "weight"),
+                                    meta_tensor(y, "rms_norm", "y"), meta_tensor(rstd, "rms_norm", "rstd"),
+                                    make_options(eps, zero_centered_gamma, rounding));
+      },
+      nb::arg("x"), nb::arg("weight"), nb::arg("y"), nb::arg("rstd"), nb::arg("eps"),
+      nb::arg("zero_centered_gamma"), nb::arg("rounding"),
+      "The forward's argument rules on metadata ((address, dtype, shape, strides) each), for "
+      "the device backends.");
+  m.def(
+      "rmsnorm_check_backward",
+      [](const nb::tuple& dy, const nb::tuple& x, const nb::tuple& rstd, const nb::tuple& weight,
+         const nb::tuple& dx, std::optional<nb::tuple> dweight) {
+        const char* w = "rms_norm_backward";
+        const std::optional<Tensor> dw =
+            dweight ? std::optional<Tensor>(meta_tensor(*dweight, w, "dweight")) : std::nullopt;
+        rmsnorm::check_backward_args(meta_tensor(dy, w, "dy"), meta_tensor(x, w, "x"), meta_tensor(rstd, w, "rstd"),
+                                     meta_tensor(weight, w, "weight"), meta_tensor(dx, w, "dx"),
+                                     dw ? &*dw : nullptr);
+      },
+      nb::arg("dy"), nb::arg("x"), nb::arg("rstd"), nb::arg("weight"), nb::arg("dx"),
+      nb::arg("dweight").none(),
+      "The backward's argument rules on metadata, for the device backends.");
+
   m.def(
       "rmsnorm_forward",
       [](InArray x, InArray gamma, OutArray y, OutArray rstd, double eps, bool zero_centered_gamma,

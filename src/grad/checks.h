@@ -11,9 +11,10 @@
 
 namespace leanstep::grad::detail {
 
-inline void check_scalar(const Tensor& t, DType dtype, const char* where, const char* arg) {
+// `cpu_only` false: the device backends' check on metadata (grad::check_scalar_arg).
+inline void check_scalar(const Tensor& t, DType dtype, const char* where, const char* arg, bool cpu_only = true) {
   check_tensor(t, where, arg);
-  check_cpu(t, where, arg);
+  if (cpu_only) check_cpu(t, where, arg);
   check_dtype(t, {dtype}, where, arg);
   LEANSTEP_CHECK_ARG(t.numel() == 1, where, arg, fmt::format("must have exactly 1 element (got {})", t.numel()));
 }

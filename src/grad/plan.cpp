@@ -155,6 +155,10 @@ void check_max_norm(double max_norm, std::string_view where) {
   detail::check_max_norm(max_norm, std::string(where).c_str());
 }
 
+void check_scalar_arg(const Tensor& t, DType dtype, std::string_view where, std::string_view arg) {
+  detail::check_scalar(t, dtype, std::string(where).c_str(), std::string(arg).c_str(), /*cpu_only=*/false);
+}
+
 PlanView Plan::view() const {
   PlanView v;
   v.view_data = views_.data();

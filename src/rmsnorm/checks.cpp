@@ -10,9 +10,9 @@ namespace {
 
 constexpr std::initializer_list<DType> kFloatDTypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
 
-void check_view(const Tensor& t, const char* where, const char* arg) {
+void check_view(const Tensor& t, const char* where, const char* arg, bool cpu_only) {
   check_tensor(t, where, arg);
-  check_cpu(t, where, arg);
+  if (cpu_only) check_cpu(t, where, arg);
   check_dtype(t, kFloatDTypes, where, arg);
   LEANSTEP_CHECK_ARG(t.is_contiguous(), where, arg,
                      fmt::format("must be contiguous (row-major) (got {} with strides [{}])", t.describe(),
@@ -48,20 +48,20 @@ void check_no_overlap(const Tensor& out, const char* out_name, const Tensor& in,
 }
 
 RowShape check_common(const char* where, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
-                      const Options& options) {
-  check_view(x, where, "x");
+                      const Options& options, bool cpu_only) {
+  check_view(x, where, "x", cpu_only);
   LEANSTEP_CHECK_ARG(x.ndim >= 1, where, "x", "must have at least 1 dim [..., H] (got a 0-dim tensor)");
   RowShape s;
   s.hidden = x.shape[x.ndim - 1];
   LEANSTEP_CHECK_ARG(s.hidden > 0, where, "x", fmt::format("must have a hidden size H > 0 (got shape {})", shape_string(x)));
   s.rows = x.numel() / s.hidden;
 
-  check_view(gamma, where, "gamma");
+  check_view(gamma, where, "gamma", cpu_only);
   LEANSTEP_CHECK_ARG(gamma.ndim == 1 && gamma.shape[0] == s.hidden, where, "gamma",
                      fmt::format("must have shape [{}] (H of x) (got {})", s.hidden, shape_string(gamma)));
 
   check_tensor(rstd, where, "rstd");
-  check_cpu(rstd, where, "rstd");
+  if (cpu_only) check_cpu(rstd, where, "rstd");
   check_dtype(rstd, {DType::kFloat32}, where, "rstd");
   LEANSTEP_CHECK_ARG(rstd.is_contiguous(), where, "rstd", "must be contiguous");
   LEANSTEP_CHECK_ARG(rstd.numel() == s.rows, where, "rstd",
@@ -80,9 +80,9 @@ RowShape check_common(const char* where, const Tensor& x, const Tensor& gamma, c
 }  // namespace
 
 RowShape check_forward(const char* where, const Tensor& x, const Tensor& gamma, const Tensor& y,
-                       const Tensor& rstd, const Options& options) {
-  const RowShape s = check_common(where, x, gamma, rstd, options);
-  check_view(y, where, "y");
+                       const Tensor& rstd, const Options& options, bool cpu_only) {
+  const RowShape s = check_common(where, x, gamma, rstd, options, cpu_only);
+  check_view(y, where, "y", cpu_only);
   LEANSTEP_CHECK_ARG(same_shape(y, x), where, "y",
                      fmt::format("must have the shape of x {} (got {})", shape_string(x), shape_string(y)));
   check_no_overlap(y, "y", x, "x", where, /*in_place_ok=*/true);
@@ -94,12 +94,13 @@ RowShape check_forward(const char* where, const Tensor& x, const Tensor& gamma, 
 }
 
 RowShape check_backward(const char* where, const Tensor& dy, const Tensor& x, const Tensor& rstd,
-                        const Tensor& gamma, const Tensor& dx, const Tensor* dgamma, const Options& options) {
-  const RowShape s = check_common(where, x, gamma, rstd, options);
-  check_view(dy, where, "dy");
+                        const Tensor& gamma, const Tensor& dx, const Tensor* dgamma, const Options& options,
+                        bool cpu_only) {
+  const RowShape s = check_common(where, x, gamma, rstd, options, cpu_only);
+  check_view(dy, where, "dy", cpu_only);
   LEANSTEP_CHECK_ARG(same_shape(dy, x), where, "dy",
                      fmt::format("must have the shape of x {} (got {})", shape_string(x), shape_string(dy)));
-  check_view(dx, where, "dx");
+  check_view(dx, where, "dx", cpu_only);
   LEANSTEP_CHECK_ARG(same_shape(dx, x), where, "dx",
                      fmt::format("must have the shape of x {} (got {})", shape_string(x), shape_string(dx)));
   check_no_overlap(dx, "dx", x, "x", where, true);
@@ -107,7 +108,7 @@ RowShape check_backward(const char* where, const Tensor& dy, const Tensor& x, co
   check_no_overlap(dx, "dx", gamma, "gamma", where, false);
   check_no_overlap(dx, "dx", rstd, "rstd", where, false);
   if (dgamma) {
-    check_view(*dgamma, where, "dgamma");
+    check_view(*dgamma, where, "dgamma", cpu_only);
     LEANSTEP_CHECK_ARG(dgamma->ndim == 1 && dgamma->shape[0] == s.hidden, where, "dgamma",
                        fmt::format("must have shape [{}] (H of x) (got {})", s.hidden, shape_string(*dgamma)));
     check_no_overlap(*dgamma, "dgamma", x, "x", where, false);
@@ -129,3 +130,18 @@ std::vector<float> effective_gamma(const Tensor& gamma, bool zero_centered) {
 }
 
 }  // namespace leanstep::rmsnorm::detail
+
+namespace leanstep::rmsnorm {
+
+// The names are the Python entry points': the device backends' callers.
+void check_forward_args(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd,
+                        const Options& options) {
+  detail::check_forward("rms_norm", x, gamma, y, rstd, options, /*cpu_only=*/false);
+}
+
+void check_backward_args(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
+                         const Tensor& dx, const Tensor* dgamma) {
+  detail::check_backward("rms_norm_backward", dy, x, rstd, gamma, dx, dgamma, Options{}, /*cpu_only=*/false);
+}
+
+}  // namespace leanstep::rmsnorm

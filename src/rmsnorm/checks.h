@@ -15,11 +15,13 @@ struct RowShape {
   int64_t hidden = 0;  // H, the last dim
 };
 
+// `cpu_only`: the kernels' own check (host memory); false for the device
+// backends' check on metadata (check_forward_args, check_backward_args).
 RowShape check_forward(const char* where, const Tensor& x, const Tensor& gamma, const Tensor& y,
-                       const Tensor& rstd, const Options& options);
+                       const Tensor& rstd, const Options& options, bool cpu_only = true);
 RowShape check_backward(const char* where, const Tensor& dy, const Tensor& x, const Tensor& rstd,
                         const Tensor& gamma, const Tensor& dx, const Tensor* dgamma,
-                        const Options& options);
+                        const Options& options, bool cpu_only = true);
 
 // The effective weight in fp32: gamma, or 1 + gamma (computed in fp32).
 std::vector<float> effective_gamma(const Tensor& gamma, bool zero_centered);

@@ -234,3 +234,81 @@ def test_integer_arguments_are_never_truncated(backend, torch_gen):
     a = leanstep.moe_permute(tokens, routing_map, num_out_tokens=np.int64(10), backend=backend)
     b = leanstep.moe_permute(tokens, routing_map, num_out_tokens=torch.tensor(10), backend=backend)
     assert a[0].shape == b[0].shape == (10, 6) and torch.equal(a[0], b[0])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_rms_norm_arguments_have_the_cpu_rules_on_every_backend(backend, torch_gen):
+    # The torch-op backend, which every accelerator runs, used to broadcast a
+    # [1] weight silently (and return a dweight of shape [8]), ignore a misspelt
+    # rounding and take eps=-1, eps=nan and int32 inputs. It now checks with the
+    # C++ kernels' rules, on metadata (rmsnorm::check_forward_args).
+    x = torch.randn(4, 8, generator=torch_gen)
+    w = torch.ones(8)
+    bad = [((x, torch.ones(1), 1e-6), {}, r"argument 'gamma' must have shape \[8\] \(H of x\) "
+                                         r"\(got \[1\]\)"),
+           ((x, w, 1e-6), {"rounding": "scale_than_cast"},
+            r"must be scale_then_cast or cast_then_scale \(got 'scale_than_cast'\)"),
+           ((x, w, -1.0), {}, r"argument 'eps' must be finite and >= 0 \(got -1\)"),
+           ((x, w, float("nan")), {}, r"argument 'eps' must be finite and >= 0 \(got nan\)"),
+           ((x.to(torch.int32), w, 1e-6), {}, r"argument 'x' must have dtype"),
+           ((x.t(), w[:4], 1e-6), {}, r"argument 'x' must be contiguous")]
+    for args, kwargs, message in bad:
+        with pytest.raises(leanstep.Error, match=message):
+            leanstep.rms_norm(*args, backend=backend, **kwargs)
+    y, rstd = leanstep.rms_norm(x, w, 1e-6, backend=backend)
+    dy = torch.randn(4, 8, generator=torch_gen)
+    with pytest.raises(leanstep.Error, match=r"argument 'gamma' must have shape \[8\]"):
+        leanstep.rms_norm_backward(dy, x, rstd, torch.ones(1), backend=backend)
+    with pytest.raises(leanstep.Error, match=r"argument 'rstd' must have one element per row"):
+        leanstep.rms_norm_backward(dy, x, rstd[:3], w, backend=backend)
+    with pytest.raises(leanstep.Error, match=r"argument 'dy' must have the shape of x"):
+        leanstep.rms_norm_backward(dy[:3], x, rstd, w, backend=backend)
+    dx, dweight = leanstep.rms_norm_backward(dy, x, rstd, w, backend=backend)
+    assert dx.shape == x.shape and dweight.shape == w.shape
+
+
+def test_rms_norm_rules_on_meta_tensors_read_nothing():
+    # Meta tensors have no data: the rules run on their metadata alone, and a
+    # view of the input's own storage as the weight is an overlap as on the CPU.
+    x = torch.empty(4, 8, device="meta")
+    y, rstd = leanstep.rms_norm(x, torch.empty(8, device="meta"), 1e-6)
+    assert y.device.type == "meta" and rstd.shape == (4,)
+    with pytest.raises(leanstep.Error, match=r"argument 'gamma' must have shape \[8\]"):
+        leanstep.rms_norm(x, torch.empty(1, device="meta"), 1e-6)
+    from leanstep import _rules
+
+    a, b = _rules.tensor_metas([x, x[1]])
+    assert b[0] - a[0] == 8 * 4 and a[2:] == ((4, 8), (8, 1))
+    _, c = _rules.tensor_metas([x, torch.empty(8, device="meta")])
+    assert c[0] >= a[0] + 4 * 8 * 4  # another storage of the call: memory of its own
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_grad_outputs_have_the_cpu_rules_on_every_backend(backend, torch_gen):
+    # The torch-op backend accepted norm(out=<float64 or [2]>), found_inf=<int32>
+    # and count_zeros(out=<float32>); the rule of a backend scalar is now the C++
+    # one (grad::check_scalar_arg) there too.
+    plan = leanstep.GradPlan([torch.randn(11, generator=torch_gen)], backend=backend)
+    bad = [(lambda: plan.norm(out=torch.zeros(1, dtype=torch.float64)), r"'out(_norm)?' must have dtype"),
+           (lambda: plan.norm(out=torch.zeros(2)), r"'out(_norm)?' must have exactly 1 element \(got 2\)"),
+           (lambda: plan.norm(found_inf=torch.zeros(1, dtype=torch.int32)), r"'found_inf' must have dtype"),
+           (lambda: plan.count_zeros(out=torch.zeros(1)), r"'out(_count)?' must have dtype"),
+           (lambda: plan.unscale_(0.5, found_inf=torch.zeros(3)), r"'found_inf' must have exactly 1 element")]
+    for call, message in bad:
+        with pytest.raises(leanstep.Error, match=message):
+            call()
+    norm, found = plan.norm(out=torch.zeros(1), found_inf=torch.zeros(1))
+    assert norm.dtype == torch.float32 and found.item() == 0.0
+    assert plan.count_zeros(out=torch.zeros(1, dtype=torch.int64)).item() == 0
+
+
+def test_sort_chunks_split_sizes_that_wrap_int64_are_refused(torch_gen):
+    # Four sizes of 2^62 sum to 2^64, which wraps to 0 in int64: the device-side
+    # check took that for "at most R rows". Each size is now bounded first.
+    rows = torch.randn(8, 3, generator=torch_gen)
+    sizes, order = torch.tensor([2**62] * 4), torch.tensor([3, 2, 1, 0])
+    assert int(sizes.sum()) == 0  # the wrap itself
+    with pytest.raises(leanstep.Error, match="split_sizes"):
+        leanstep.sort_chunks_by_idxs(rows, sizes, order)
+    with pytest.raises(RuntimeError, match="'split_sizes' must be >= 0 and sum to at most"):
+        leanstep.sort_chunks_by_idxs(rows, sizes, order, backend="torch")

@@ -277,7 +277,7 @@ def test_errors_name_the_argument(monkeypatch):
     with pytest.raises(leanstep.Error, match=r"RMSNorm: argument 'backend'.*TRITON_INTERPRET=1"):
         lt.RMSNorm(8, backend="triton").requires_grad_(False)(x)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(leanstep.Error, match=r"argument 'weight' must have shape \[8\]"):
+    with pytest.raises(leanstep.Error, match=r"rms_norm: argument 'gamma' must have shape \[8\]"):
         triton_rmsnorm.forward(x, torch.ones(7), 1e-6)
     with pytest.raises(leanstep.Error, match=r"argument 'eps' must be finite and >= 0"):
         triton_rmsnorm.forward(x, w, -1.0)

@@ -443,7 +443,11 @@ def sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs=None):
     sizes = split_sizes.long()
     order = sorted_idxs.long()
     if num_chunks:
-        torch._assert_async(((sizes >= 0).all() & (sizes.sum() <= num_rows)),
+        # Each size is bounded first: the int64 sum of sizes near 2^62 would wrap
+        # and pass a sum check alone (C sizes <= R sum to at most C * R, no wrap).
+        in_range = (sizes >= 0).all() & (sizes <= num_rows).all()
+        total = torch.where(in_range, sizes.sum(), torch.full_like(sizes[0], num_rows + 1))
+        torch._assert_async(in_range & (total <= num_rows),
                             f"{where}: argument 'split_sizes' must be >= 0 and sum to at most the "
                             f"{num_rows} rows")
         is_permutation = (torch.sort(order).values == torch.arange(num_chunks, device=device)).all()

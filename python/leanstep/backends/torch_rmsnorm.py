@@ -21,6 +21,8 @@ import sys
 
 import torch
 
+from .._rules import check_rms_norm, check_rms_norm_backward
+
 _FUSED_FORWARD = "aten::_fused_rms_norm"
 _FUSED_BACKWARD = "aten::_fused_rms_norm_backward"
 _DISPATCH_KEYS = {"cuda": "CUDA", "meta": "Meta", "xpu": "XPU", "mps": "MPS", "cpu": "CPU",
@@ -77,6 +79,7 @@ def forward_keepdim(x, weight, eps, zero_centered_gamma=False, rounding="scale_t
                     impl=None):
     """As :func:`forward`, with rstd of shape ``x.shape[:-1] + (1,)`` (the
     fused kernels' own layout, so no reshape runs between forward and backward)."""
+    check_rms_norm(x, weight, eps, zero_centered_gamma, rounding)
     impl = impl or implementation(x, weight, zero_centered_gamma, rounding)
     hidden = x.shape[-1]
     if impl == "fused":
@@ -114,6 +117,7 @@ def backward_dx(dy, x, rstd, weight, zero_centered_gamma=False, impl=None):
 def backward(dy, x, rstd, weight, zero_centered_gamma=False, weight_requires_grad=True):
     """Returns ``(dx, dweight)``, dweight None when the weight is frozen; the
     trainable case reduces dweight in fp32 over all rows."""
+    check_rms_norm_backward(dy, x, rstd, weight, weight_requires_grad)
     if not weight_requires_grad:
         impl = "fused" if (fused_available(x.device.type) and weight.dtype == x.dtype
                            and not zero_centered_gamma) else "composite"

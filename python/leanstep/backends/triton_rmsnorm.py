@@ -26,11 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .._leanstep import Error
+from .._rules import check_rms_norm, check_rms_norm_backward
 from . import triton_common as tc
 from .triton_common import bf16_bits_to_f32, f32_to_bf16_bits
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_SINGLE_BLOCK = 8192  # rows up to this many elements stay in registers
 
 
@@ -194,18 +193,6 @@ def _dgamma_kernel(partials, dgamma, num_chunks, H, WC: tl.constexpr, BLOCK: tl.
 # ---------------------------------------------------------------- host side
 
 
-def _check(t, where, name, shape=None, dtypes=_DTYPES):
-    if t.dtype not in dtypes:
-        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise Error(f"{where}: argument '{name}' must have dtype in {{{names}}} "
-                    f"(got {str(t.dtype).removeprefix('torch.')})")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise Error(f"{where}: argument '{name}' must have shape {list(shape)} "
-                    f"(got {list(t.shape)})")
-    if not t.is_contiguous():
-        raise Error(f"{where}: argument '{name}' must be contiguous")
-
-
 def _launch_shape(h, device):
     single = h <= MAX_SINGLE_BLOCK
     block = triton.next_power_of_2(h) if single else 4096
@@ -221,19 +208,10 @@ def chunk_rows(rows, h):
 
 def forward(x, weight, eps, zero_centered_gamma=False, rounding="scale_then_cast"):
     """Returns ``(y, rstd)``: y in x's dtype and shape, rstd fp32 ``x.shape[:-1]``."""
-    where = "rms_norm"
-    tc.check_device(x.device, where, f"argument 'x' is on {x.device}")
-    if x.dim() < 1 or x.shape[-1] < 1:
-        raise Error(f"{where}: argument 'x' must have a last dim >= 1 (got {list(x.shape)})")
-    h = x.shape[-1]
-    _check(x, where, "x")
-    _check(weight, where, "weight", (h,))
-    if rounding not in ("scale_then_cast", "cast_then_scale"):
-        raise Error(f"{where}: argument 'rounding' must be 'scale_then_cast' or "
-                    f"'cast_then_scale' (got {rounding!r})")
+    tc.check_device(x.device, "rms_norm", f"argument 'x' is on {x.device}")
+    check_rms_norm(x, weight, eps, zero_centered_gamma, rounding)  # the CPU kernels' rules
     eps = float(eps)
-    if not (eps >= 0 and eps != float("inf")):
-        raise Error(f"{where}: argument 'eps' must be finite and >= 0 (got {eps})")
+    h = x.shape[-1]
     rows = x.numel() // h
     y = torch.empty_like(x)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
@@ -252,17 +230,10 @@ def forward(x, weight, eps, zero_centered_gamma=False, rounding="scale_then_cast
 def backward(dy, x, rstd, weight, zero_centered_gamma=False, weight_requires_grad=True):
     """Returns ``(dx, dweight)``: dx in x's dtype; dweight in the weight's
     dtype, or None for a frozen weight (then one launch and no cross-row work)."""
-    where = "rms_norm_backward"
-    tc.check_device(x.device, where, f"argument 'x' is on {x.device}")
+    tc.check_device(x.device, "rms_norm_backward", f"argument 'x' is on {x.device}")
+    check_rms_norm_backward(dy, x, rstd, weight, weight_requires_grad)  # the CPU kernels' rules
     h = x.shape[-1]
-    _check(x, where, "x")
-    _check(dy, where, "dy", tuple(x.shape))
-    _check(weight, where, "weight", (h,))
     rows = x.numel() // h
-    _check(rstd, where, "rstd", None, (torch.float32,))
-    if rstd.numel() != rows:
-        raise Error(f"{where}: argument 'rstd' must have {rows} elements (one per row of x, got "
-                    f"{rstd.numel()})")
     dx = torch.empty_like(x)
     dweight = torch.empty_like(weight) if weight_requires_grad else None
     if rows == 0:
