@@ -94,10 +94,12 @@ endif
 # 4 KiB and 64 KiB pages, SVE at four vector lengths, bitwise outputs diffed
 # against x86-64's (scripts/test-aarch64.sh). AARCH64_AREAS narrows pass 1 to
 # some areas' tests, plus the harness and the host-memory tests (CI: grad
-# rmsnorm moe); by default, all.
+# rmsnorm moe); by default, all. AARCH64_SVE_BITS narrows the SVE lengths of
+# pass 3 (CI: 128 256, the two that expose targets of their own).
 AARCH64_AREAS ?=
+AARCH64_SVE_BITS ?=
 test-aarch64: sysdeps
-	AARCH64_AREAS="$(AARCH64_AREAS)" JOBS=$(JOBS) scripts/test-aarch64.sh
+	AARCH64_AREAS="$(AARCH64_AREAS)" AARCH64_SVE_BITS="$(AARCH64_SVE_BITS)" JOBS=$(JOBS) scripts/test-aarch64.sh
 
 test-asan: sysdeps
 	cmake --preset asan >/dev/null

@@ -7,7 +7,8 @@
 #   2. the host-memory tests and the conformance harness with 64 KiB pages
 #      (qemu's -p: the guest's sysconf page size);
 #   3. the conformance harness with SVE vectors of 128, 256 and 2048 bits
-#      (every Highway target each exposes, listed as it runs);
+#      (AARCH64_SVE_BITS narrows the list; every Highway target each exposes,
+#      listed as it runs);
 #   4. the digests of every bitwise conformance output, diffed against the
 #      x86-64 build's: arm64 must give the same bits wherever x86-64 is bitwise.
 # Installs what is missing first (Debian's arm64 packages, as root).
@@ -15,6 +16,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-$(nproc)}
 AREAS=${AARCH64_AREAS:-}
+SVE_BITS=${AARCH64_SVE_BITS:-128 256 2048}
+for bits in $SVE_BITS; do
+  case $bits in
+    128|256|512|1024|2048) ;;
+    *) echo "AARCH64_SVE_BITS: each length must be 128, 256, 512, 1024 or 2048 bits, got '$bits'" >&2; exit 1 ;;
+  esac
+done
 # The programs passes 2 to 4 need.
 HARNESS=test_dispatch_conformance
 HOST_MEMORY=test_core_host_memory
@@ -75,9 +83,10 @@ QEMU_PAGESIZE=65536 run_arm build/aarch64/tests/cpp/$HARNESS --gtest_brief=1 \
   --gtest_filter='Conformance.EveryImplementation*'
 
 echo "== 3. SVE vector lengths"
-for bytes in 16 32 256; do
-  echo "-- SVE vectors of $((bytes * 8)) bits"
-  log=build/aarch64/sve-$((bytes * 8)).log
+for bits in $SVE_BITS; do
+  bytes=$((bits / 8))
+  echo "-- SVE vectors of $bits bits"
+  log=build/aarch64/sve-$bits.log
   if ! QEMU_CPU="max,sve-default-vector-length=$bytes" run_arm build/aarch64/tests/cpp/$HARNESS \
       --gtest_brief=1 --gtest_filter='Conformance.EveryImplementation*' >"$log" 2>&1; then
     cat "$log"

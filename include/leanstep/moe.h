@@ -89,6 +89,27 @@ void permute(const Tensor& tokens, const Tensor& routing_map, const Tensor* prob
              std::optional<int64_t> num_out_tokens, bool drop_and_pad, Method method,
              const Tensor& permuted, const Tensor* permuted_probs, const Tensor& sorted_indices);
 
+// ---------------------------------------------------------------- rules on metadata
+// The argument rules of permute, unpermute and their backwards that need no tensor
+// values (shapes, dtypes, contiguity, overlaps, num_out_tokens, E * capacity with
+// drop_and_pad), for tensors of any device: data addresses are compared, never read.
+// The Python device backends (torch ops, Triton) check with these before they launch
+// anything, so every backend refuses the same inputs with the same message; the rules
+// on values (index ranges, the routed count) they check on the device. permute without
+// num_out_tokens (plain path): the row count is the routed count, a value, so the
+// outputs' own row count is taken.
+void check_permute_args(const Tensor& tokens, const Tensor& routing_map, const Tensor* probs,
+                        std::optional<int64_t> num_out_tokens, bool drop_and_pad, const Tensor& permuted,
+                        const Tensor* permuted_probs, const Tensor& sorted_indices);
+void check_unpermute_args(const Tensor& permuted, const Tensor& sorted_indices, const Tensor& out,
+                          const Tensor* probs, const Tensor* routing_map, bool drop_and_pad);
+void check_permute_backward_args(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens);
+void check_permute_probs_backward_args(const Tensor& dpermuted_probs, const Tensor& sorted_indices,
+                                       const Tensor& routing_map, bool drop_and_pad, const Tensor& dprobs);
+void check_unpermute_backward_args(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices,
+                                   const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
+                                   const Tensor& dpermuted, const Tensor* dprobs);
+
 // ---------------------------------------------------------------- unpermute
 
 // out[t] = sum over slots i with sorted_indices[i] == t, in increasing i, of

@@ -21,7 +21,7 @@ forces the torch-op backend on CPU tensors, "triton" the Triton kernels
 from . import _backend, _leanstep
 from ._arrays import dtype_name, empty, is_torch, native, opt_view, result, view
 from ._leanstep import Error
-from ._rules import host_int
+from ._rules import host_count, host_int, restore_rows
 
 __all__ = [
     "moe_permute",
@@ -137,7 +137,10 @@ def moe_unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_m
         return _into(out, _device_moe(chosen).unpermute(permuted, sorted_indices, restore_shape,
                                                         probs, routing_map, drop_and_pad),
                      "moe_unpermute")
-    out = result(tuple(restore_shape), dtype_name(permuted), permuted, out, "moe_unpermute", "out")
+    hidden = permuted.shape[1] if len(permuted.shape) == 2 else None
+    shape = (tuple(restore_shape) if hidden is None  # the C++ check names permuted's rank
+             else (restore_rows(restore_shape, "unpermute", hidden), hidden))
+    out = result(shape, dtype_name(permuted), permuted, out, "moe_unpermute", "out")
     native.moe_unpermute(permuted, sorted_indices, out, probs, routing_map, drop_and_pad,
                          _cpu_method(method))
     return out
@@ -151,6 +154,7 @@ def moe_permute_backward(dpermuted, sorted_indices, num_tokens, method=None, *, 
     if chosen != "cpu":
         _check_method(method, "permute_backward")
         return _device_moe(chosen).permute_backward(dpermuted, sorted_indices, num_tokens)
+    num_tokens = host_count(num_tokens, "permute_backward", "num_tokens")
     dtokens = empty((num_tokens, dpermuted.shape[-1]), dtype_name(dpermuted), dpermuted)
     native.moe_permute_backward(dpermuted, sorted_indices, dtokens, _cpu_method(method))
     return dtokens

@@ -89,3 +89,79 @@ def check_scalar(t, dtype_name, where, name):
     (out=, found_inf=): the C++ rule (grad::check_scalar_arg)."""
     if t is not None:
         _leanstep.grad_check_scalar(tensor_metas([t])[0], dtype_name, where, name)
+
+
+# ---------------------------------------------------------------- MoE permutation
+# Host arguments first (one rule each, every backend), then the tensors' rules
+# in C++ (leanstep/moe.h check_*_args) on metadata, for a backend that
+# allocates the outputs itself.
+METHODS = ("sort", "fused")
+
+
+def check_method(method, where):
+    if method not in METHODS:
+        raise Error(f'{where}: argument \'method\' must be "sort" or "fused" (got {method!r})')
+
+
+def host_count(value, where, name):
+    """A host integer >= 0 (a row count)."""
+    value = host_int(value, where, name)
+    if value < 0:
+        raise Error(f"{where}: argument '{name}' must be >= 0 (got {value})")
+    return value
+
+
+def restore_rows(restore_shape, where, hidden):
+    """T of unpermute's ``restore_shape`` (T, H): host integers, T >= 0, H the
+    permuted rows' width."""
+    try:
+        shape = tuple(restore_shape)
+    except TypeError:
+        shape = (restore_shape,)
+    if len(shape) != 2:
+        raise Error(f"{where}: argument 'restore_shape' must be (T, H) (got {shape})")
+    num_tokens, width = (host_int(s, where, "restore_shape") for s in shape)
+    if num_tokens < 0 or width != hidden:
+        raise Error(f"{where}: argument 'restore_shape' must be (T >= 0, H={hidden}) (got {shape})")
+    return num_tokens
+
+
+def _width(t):
+    """Row width of a 2-D tensor; 0 for another rank (the C++ check names it)."""
+    return t.shape[1] if t.dim() == 2 else 0
+
+
+def check_moe_permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad):
+    """permute's rules; `num_out_tokens` a host int or None (the outputs' rows
+    are then the routed count, a value)."""
+    rows = num_out_tokens if num_out_tokens is not None else 0
+    tm, mm, pm = tensor_metas([tokens, routing_map, probs])
+    permuted = planned_meta((rows, _width(tokens)), _dtype_name(tokens), 0)
+    permuted_probs = None if probs is None else planned_meta((rows,), _dtype_name(probs), 1)
+    _leanstep.moe_check_permute(tm, mm, pm, num_out_tokens, bool(drop_and_pad), permuted,
+                                permuted_probs, planned_meta((rows,), "int64", 2))
+
+
+def check_moe_unpermute(permuted, sorted_indices, num_tokens, probs, routing_map, drop_and_pad,
+                        where="unpermute"):
+    """unpermute's rules (permute_backward's with where="permute_backward",
+    no probs), for an output of `num_tokens` rows."""
+    out = planned_meta((num_tokens, _width(permuted)), _dtype_name(permuted), 0)
+    if where == "permute_backward":
+        _leanstep.moe_check_permute_backward(*tensor_metas([permuted, sorted_indices]), out)
+        return
+    pm, si, pr, rm = tensor_metas([permuted, sorted_indices, probs, routing_map])
+    _leanstep.moe_check_unpermute(pm, si, out, pr, rm, bool(drop_and_pad))
+
+
+def check_moe_permute_probs_backward(dpermuted_probs, sorted_indices, routing_map, drop_and_pad):
+    dp, si, rm = tensor_metas([dpermuted_probs, sorted_indices, routing_map])
+    dprobs = planned_meta(tuple(routing_map.shape), _dtype_name(dpermuted_probs), 0)
+    _leanstep.moe_check_permute_probs_backward(dp, si, rm, bool(drop_and_pad), dprobs)
+
+
+def check_moe_unpermute_backward(dout, permuted, sorted_indices, probs, routing_map, drop_and_pad):
+    metas = tensor_metas([dout, permuted, sorted_indices, probs, routing_map])
+    dpermuted = planned_meta(tuple(permuted.shape), _dtype_name(permuted), 0)
+    dprobs = None if probs is None else planned_meta(tuple(probs.shape), _dtype_name(probs), 1)
+    _leanstep.moe_check_unpermute_backward(*metas, bool(drop_and_pad), dpermuted, dprobs)

@@ -373,9 +373,15 @@ def _without_triton(backend):
     return "torch" if backend == "triton" else backend
 
 
+def _contiguous(*tensors):
+    return tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in tensors)
+
+
 class _PermuteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, routing_map, probs, num_out_tokens, drop_and_pad, method, backend):
+        # The kernels take contiguous inputs on every backend; the autograd layer takes any.
+        tokens, routing_map, probs = _contiguous(tokens, routing_map, probs)
         permuted, permuted_probs, sorted_indices = moe_permute(
             tokens, routing_map, probs, num_out_tokens, drop_and_pad, method, backend=backend)
         ctx.save_for_backward(sorted_indices, routing_map)
@@ -413,6 +419,8 @@ class _UnpermuteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, permuted, sorted_indices, restore_shape, probs, routing_map, drop_and_pad,
                 method, backend):
+        permuted, sorted_indices, probs, routing_map = _contiguous(permuted, sorted_indices, probs,
+                                                                   routing_map)
         out = moe_unpermute(permuted, sorted_indices, restore_shape, probs, routing_map,
                             drop_and_pad, method, backend=backend)
         ctx.save_for_backward(permuted, sorted_indices, probs, routing_map)

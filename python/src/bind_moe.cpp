@@ -20,9 +20,76 @@ namespace {
 
 const Tensor* ptr(const std::optional<Tensor>& t) { return t ? &*t : nullptr; }
 
+// Metadata (address, dtype, shape, strides) of an optional tensor, as a view.
+std::optional<Tensor> meta(const std::optional<nb::tuple>& m, const char* where, const char* arg) {
+  return m ? std::optional<Tensor>(meta_tensor(*m, where, arg)) : std::nullopt;
+}
+
 }  // namespace
 
 void bind_moe(nb::module_& m) {
+  // The argument rules on metadata ((address, dtype, shape, strides) each), for the
+  // device backends: the same rules, and messages, as the CPU kernels'.
+  m.def(
+      "moe_check_permute",
+      [](const nb::tuple& tokens, const nb::tuple& routing_map, std::optional<nb::tuple> probs,
+         std::optional<int64_t> num_out_tokens, bool drop_and_pad, const nb::tuple& permuted,
+         std::optional<nb::tuple> permuted_probs, const nb::tuple& sorted_indices) {
+        const char* w = "permute";
+        const auto p = meta(probs, w, "probs"), pp = meta(permuted_probs, w, "permuted_probs");
+        moe::check_permute_args(meta_tensor(tokens, w, "tokens"), meta_tensor(routing_map, w, "routing_map"),
+                                ptr(p), num_out_tokens, drop_and_pad, meta_tensor(permuted, w, "permuted"),
+                                ptr(pp), meta_tensor(sorted_indices, w, "sorted_indices"));
+      },
+      nb::arg("tokens"), nb::arg("routing_map"), nb::arg("probs").none(), nb::arg("num_out_tokens").none(),
+      nb::arg("drop_and_pad"), nb::arg("permuted"), nb::arg("permuted_probs").none(),
+      nb::arg("sorted_indices"));
+  m.def(
+      "moe_check_unpermute",
+      [](const nb::tuple& permuted, const nb::tuple& sorted_indices, const nb::tuple& out,
+         std::optional<nb::tuple> probs, std::optional<nb::tuple> routing_map, bool drop_and_pad) {
+        const char* w = "unpermute";
+        const auto p = meta(probs, w, "probs"), rm = meta(routing_map, w, "routing_map");
+        moe::check_unpermute_args(meta_tensor(permuted, w, "permuted"), meta_tensor(sorted_indices, w, "sorted_indices"),
+                                  meta_tensor(out, w, "out"), ptr(p), ptr(rm), drop_and_pad);
+      },
+      nb::arg("permuted"), nb::arg("sorted_indices"), nb::arg("out"), nb::arg("probs").none(),
+      nb::arg("routing_map").none(), nb::arg("drop_and_pad"));
+  m.def(
+      "moe_check_permute_backward",
+      [](const nb::tuple& dpermuted, const nb::tuple& sorted_indices, const nb::tuple& dtokens) {
+        const char* w = "permute_backward";
+        moe::check_permute_backward_args(meta_tensor(dpermuted, w, "dpermuted"),
+                                         meta_tensor(sorted_indices, w, "sorted_indices"),
+                                         meta_tensor(dtokens, w, "dtokens"));
+      },
+      nb::arg("dpermuted"), nb::arg("sorted_indices"), nb::arg("dtokens"));
+  m.def(
+      "moe_check_permute_probs_backward",
+      [](const nb::tuple& dpermuted_probs, const nb::tuple& sorted_indices, const nb::tuple& routing_map,
+         bool drop_and_pad, const nb::tuple& dprobs) {
+        const char* w = "permute_probs_backward";
+        moe::check_permute_probs_backward_args(
+            meta_tensor(dpermuted_probs, w, "dpermuted_probs"), meta_tensor(sorted_indices, w, "sorted_indices"),
+            meta_tensor(routing_map, w, "routing_map"), drop_and_pad, meta_tensor(dprobs, w, "dprobs"));
+      },
+      nb::arg("dpermuted_probs"), nb::arg("sorted_indices"), nb::arg("routing_map"), nb::arg("drop_and_pad"),
+      nb::arg("dprobs"));
+  m.def(
+      "moe_check_unpermute_backward",
+      [](const nb::tuple& dout, const nb::tuple& permuted, const nb::tuple& sorted_indices,
+         std::optional<nb::tuple> probs, std::optional<nb::tuple> routing_map, bool drop_and_pad,
+         const nb::tuple& dpermuted, std::optional<nb::tuple> dprobs) {
+        const char* w = "unpermute_backward";
+        const auto p = meta(probs, w, "probs"), rm = meta(routing_map, w, "routing_map");
+        const auto dp = meta(dprobs, w, "dprobs");
+        moe::check_unpermute_backward_args(meta_tensor(dout, w, "dout"), meta_tensor(permuted, w, "permuted"),
+                                           meta_tensor(sorted_indices, w, "sorted_indices"), ptr(p), ptr(rm),
+                                           drop_and_pad, meta_tensor(dpermuted, w, "dpermuted"), ptr(dp));
+      },
+      nb::arg("dout"), nb::arg("permuted"), nb::arg("sorted_indices"), nb::arg("probs").none(),
+      nb::arg("routing_map").none(), nb::arg("drop_and_pad"), nb::arg("dpermuted"), nb::arg("dprobs").none());
+
   m.def("moe_expert_capacity", &moe::expert_capacity, nb::arg("num_tokens"),
         nb::arg("num_experts"), nb::arg("topk"), nb::arg("capacity_factor"));
 

@@ -7,23 +7,23 @@
 
 namespace leanstep::moe::detail {
 
-void check_rows(const Tensor& t, const char* where, const char* name, int ndim) {
+void check_rows(const Tensor& t, const char* where, const char* name, int ndim, bool host) {
   check_tensor(t, where, name);
-  check_cpu(t, where, name);
+  if (host) check_cpu(t, where, name);
   LEANSTEP_CHECK_ARG(t.ndim == ndim, where, name, fmt::format("must have {} dims (got {})", ndim, t.describe()));
   LEANSTEP_CHECK_ARG(t.is_contiguous(), where, name, fmt::format("must be contiguous (got {})", t.describe()));
 }
 
-void check_map(const Tensor& t, const char* where, const char* name) {
-  check_rows(t, where, name, 2);
+void check_map(const Tensor& t, const char* where, const char* name, bool host) {
+  check_rows(t, where, name, 2, host);
   check_dtype(t, {DType::kBool}, where, name);
   LEANSTEP_CHECK_ARG(t.shape[1] >= 1, where, name, fmt::format("must have at least one expert (got {})", t.describe()));
 }
 
 void check_out(const Tensor& t, const char* where, const char* name, DType dtype,
-               std::initializer_list<int64_t> shape) {
+               std::initializer_list<int64_t> shape, bool host) {
   check_tensor(t, where, name);
-  check_cpu(t, where, name);
+  if (host) check_cpu(t, where, name);
   check_dtype(t, {dtype}, where, name);
   bool ok = t.ndim == static_cast<int>(shape.size());
   int d = 0;
@@ -33,9 +33,10 @@ void check_out(const Tensor& t, const char* where, const char* name, DType dtype
   LEANSTEP_CHECK_ARG(t.is_contiguous(), where, name, fmt::format("must be contiguous (got {})", t.describe()));
 }
 
-IndexView check_indices(const Tensor& t, const char* where, const char* name, int64_t n, int64_t max_value) {
+IndexView check_indices(const Tensor& t, const char* where, const char* name, int64_t n, int64_t max_value,
+                        bool host) {
   check_tensor(t, where, name);
-  check_cpu(t, where, name);
+  if (host) check_cpu(t, where, name);
   check_dtype(t, {DType::kInt64, DType::kInt32}, where, name);
   LEANSTEP_CHECK_ARG(t.ndim == 1 && t.shape[0] == n, where, name,
                      fmt::format("must have shape [{}] (got {})", n, t.describe()));
@@ -65,14 +66,43 @@ void check_no_overlap(const Tensor& out, std::initializer_list<const Tensor*> in
   }
 }
 
+void check_slot_experts_args(const char* where, int64_t n, const Tensor& routing_map, bool drop_and_pad, bool host) {
+  check_map(routing_map, where, "routing_map", host);
+  const int64_t E = routing_map.shape[1];
+  if (drop_and_pad)
+    LEANSTEP_CHECK_ARG(n % E == 0, where, "sorted_indices",
+                       fmt::format("must have E * capacity entries with drop_and_pad (got {}, E={})", n, E));
+}
+
+void check_slot_probs_args(const char* where, int64_t n, int64_t T, const Tensor* probs, const Tensor* routing_map,
+                           bool drop_and_pad, bool host) {
+  if (probs == nullptr) return;
+  check_tensor(*probs, where, "probs");
+  if (host) check_cpu(*probs, where, "probs");
+  check_dtype(*probs, {DType::kFloat32, DType::kFloat16, DType::kBFloat16}, where, "probs");
+  if (routing_map == nullptr) {
+    check_rows(*probs, where, "probs", 1, host);
+    LEANSTEP_CHECK_ARG(probs->shape[0] == n, where, "probs",
+                       fmt::format("must be the [N={}] permuted probs when routing_map is not given (got {})", n,
+                                   probs->describe()));
+    return;
+  }
+  check_map(*routing_map, where, "routing_map", host);
+  const int64_t E = routing_map->shape[1];
+  LEANSTEP_CHECK_ARG(routing_map->shape[0] == T, where, "routing_map",
+                     fmt::format("must have T={} rows like the output (got {})", T, routing_map->describe()));
+  check_rows(*probs, where, "probs", 2, host);
+  LEANSTEP_CHECK_ARG(probs->shape[0] == T && probs->shape[1] == E, where, "probs",
+                     fmt::format("must have shape [{}, {}] like routing_map (got {})", T, E, probs->describe()));
+  check_slot_experts_args(where, n, *routing_map, drop_and_pad, host);
+}
+
 std::vector<int64_t> slot_experts(const char* where, const IndexView& indices, int64_t n, const Tensor& routing_map,
                                   bool drop_and_pad) {
-  check_map(routing_map, where, "routing_map");
+  check_slot_experts_args(where, n, routing_map, drop_and_pad);
   const int64_t T = routing_map.shape[0], E = routing_map.shape[1];
   std::vector<int64_t> experts(static_cast<size_t>(n), -1);
   if (drop_and_pad) {
-    LEANSTEP_CHECK_ARG(n % E == 0, where, "sorted_indices",
-                       fmt::format("must have E * capacity entries with drop_and_pad (got {}, E={})", n, E));
     const int64_t capacity = n / E;
     for (int64_t i = 0; i < n; ++i) experts[static_cast<size_t>(i)] = i / capacity;
     return experts;
@@ -99,25 +129,13 @@ std::vector<int64_t> slot_experts(const char* where, const IndexView& indices, i
 std::vector<float> slot_probs(const char* where, const IndexView& indices, int64_t n, int64_t T, const Tensor* probs,
                               const Tensor* routing_map, bool drop_and_pad) {
   if (probs == nullptr) return {};
-  check_tensor(*probs, where, "probs");
-  check_cpu(*probs, where, "probs");
-  check_dtype(*probs, {DType::kFloat32, DType::kFloat16, DType::kBFloat16}, where, "probs");
+  check_slot_probs_args(where, n, T, probs, routing_map, drop_and_pad);
   std::vector<float> out(static_cast<size_t>(n), 0.0f);
   if (routing_map == nullptr) {
-    check_rows(*probs, where, "probs", 1);
-    LEANSTEP_CHECK_ARG(probs->shape[0] == n, where, "probs",
-                       fmt::format("must be the [N={}] permuted probs when routing_map is not given (got {})", n,
-                                   probs->describe()));
     for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = load_f32(probs->data, probs->dtype, i);
     return out;
   }
-  check_map(*routing_map, where, "routing_map");
   const int64_t E = routing_map->shape[1];
-  LEANSTEP_CHECK_ARG(routing_map->shape[0] == T, where, "routing_map",
-                     fmt::format("must have T={} rows like the output (got {})", T, routing_map->describe()));
-  check_rows(*probs, where, "probs", 2);
-  LEANSTEP_CHECK_ARG(probs->shape[0] == T && probs->shape[1] == E, where, "probs",
-                     fmt::format("must have shape [{}, {}] like routing_map (got {})", T, E, probs->describe()));
   const std::vector<int64_t> experts = slot_experts(where, indices, n, *routing_map, drop_and_pad);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = indices.get(i);

@@ -33,10 +33,9 @@ int64_t count_routed(const Tensor& routing_map) {
 
 namespace {
 
-int64_t output_rows(const char* where, const Tensor& routing_map, std::optional<int64_t> num_out_tokens,
-                    bool drop_and_pad) {
-  detail::check_map(routing_map, where, "routing_map");
-  const int64_t T = routing_map.shape[0], E = routing_map.shape[1];
+// num_out_tokens' rules; the row count when it is known without the map's values.
+std::optional<int64_t> planned_rows(const char* where, int64_t T, int64_t E, std::optional<int64_t> num_out_tokens,
+                                    bool drop_and_pad) {
   if (num_out_tokens)
     LEANSTEP_CHECK_ARG(*num_out_tokens >= 0, where, "num_out_tokens", fmt::format("must be >= 0 (got {})", *num_out_tokens));
   if (drop_and_pad) {
@@ -46,15 +45,61 @@ int64_t output_rows(const char* where, const Tensor& routing_map, std::optional<
                        fmt::format("must be a multiple of E={} with drop_and_pad (got {})", E, *num_out_tokens));
     LEANSTEP_CHECK_ARG(*num_out_tokens / E <= T, where, "num_out_tokens",
                        fmt::format("gives capacity {} > T={} (num_out_tokens / E must be <= T)", *num_out_tokens / E, T));
-    return *num_out_tokens;
   }
-  return num_out_tokens ? *num_out_tokens : count_routed(routing_map);
+  return num_out_tokens;
+}
+
+int64_t output_rows(const char* where, const Tensor& routing_map, std::optional<int64_t> num_out_tokens,
+                    bool drop_and_pad) {
+  detail::check_map(routing_map, where, "routing_map");
+  const std::optional<int64_t> rows =
+      planned_rows(where, routing_map.shape[0], routing_map.shape[1], num_out_tokens, drop_and_pad);
+  return rows ? *rows : count_routed(routing_map);
+}
+
+// permute's rules on tokens, probs and the outputs of N rows (after the map's).
+IndexView check_permute_layout(const Tensor& tokens, const Tensor& routing_map, const Tensor* probs, int64_t N,
+                               const Tensor& permuted, const Tensor* permuted_probs, const Tensor& sorted_indices,
+                               bool host) {
+  constexpr const char* where = "permute";
+  const int64_t T = routing_map.shape[0], E = routing_map.shape[1];
+  const int64_t H = tokens.shape[1];
+  LEANSTEP_CHECK_ARG(tokens.shape[0] == T, where, "tokens",
+                     fmt::format("must have T={} rows like routing_map (got {})", T, tokens.describe()));
+  if (probs) {
+    detail::check_rows(*probs, where, "probs", 2, host);
+    LEANSTEP_CHECK_ARG(probs->shape[0] == T && probs->shape[1] == E, where, "probs",
+                       fmt::format("must have shape [{}, {}] like routing_map (got {})", T, E, probs->describe()));
+  }
+  LEANSTEP_CHECK_ARG((probs == nullptr) == (permuted_probs == nullptr), where, "permuted_probs",
+                     "must be given exactly when probs is given");
+  detail::check_out(permuted, where, "permuted", tokens.dtype, {N, H}, host);
+  if (permuted_probs) detail::check_out(*permuted_probs, where, "permuted_probs", probs->dtype, {N}, host);
+  const IndexView indices = detail::check_indices(sorted_indices, where, "sorted_indices", N, T, host);
+  detail::check_no_overlap(permuted, {&tokens, &routing_map, probs, &sorted_indices, permuted_probs}, where, "permuted");
+  if (permuted_probs)
+    detail::check_no_overlap(*permuted_probs, {&tokens, &routing_map, probs, &sorted_indices}, where, "permuted_probs");
+  detail::check_no_overlap(sorted_indices, {&tokens, &routing_map, probs}, where, "sorted_indices");
+  return indices;
 }
 
 }  // namespace
 
 int64_t permute_output_rows(const Tensor& routing_map, std::optional<int64_t> num_out_tokens, bool drop_and_pad) {
-  return output_rows("permute_output_rows", routing_map, num_out_tokens, drop_and_pad);
+  return output_rows("permute", routing_map, num_out_tokens, drop_and_pad);  // permute's rows, its rules
+}
+
+void check_permute_args(const Tensor& tokens, const Tensor& routing_map, const Tensor* probs,
+                        std::optional<int64_t> num_out_tokens, bool drop_and_pad, const Tensor& permuted,
+                        const Tensor* permuted_probs, const Tensor& sorted_indices) {
+  constexpr const char* where = "permute";
+  detail::check_rows(tokens, where, "tokens", 2, false);
+  detail::check_map(routing_map, where, "routing_map", false);
+  const std::optional<int64_t> rows =
+      planned_rows(where, routing_map.shape[0], routing_map.shape[1], num_out_tokens, drop_and_pad);
+  // Without num_out_tokens the row count is the routed count, a value: the outputs' own.
+  const int64_t N = rows ? *rows : (permuted.ndim >= 1 ? permuted.shape[0] : 0);
+  check_permute_layout(tokens, routing_map, probs, N, permuted, permuted_probs, sorted_indices, false);
 }
 
 void permute(const Tensor& tokens, const Tensor& routing_map, const Tensor* probs,
@@ -65,22 +110,8 @@ void permute(const Tensor& tokens, const Tensor& routing_map, const Tensor* prob
   const int64_t N = output_rows(where, routing_map, num_out_tokens, drop_and_pad);
   const int64_t T = routing_map.shape[0], E = routing_map.shape[1];
   const int64_t H = tokens.shape[1];
-  LEANSTEP_CHECK_ARG(tokens.shape[0] == T, where, "tokens",
-                     fmt::format("must have T={} rows like routing_map (got {})", T, tokens.describe()));
-  if (probs) {
-    detail::check_rows(*probs, where, "probs", 2);
-    LEANSTEP_CHECK_ARG(probs->shape[0] == T && probs->shape[1] == E, where, "probs",
-                       fmt::format("must have shape [{}, {}] like routing_map (got {})", T, E, probs->describe()));
-  }
-  LEANSTEP_CHECK_ARG((probs == nullptr) == (permuted_probs == nullptr), where, "permuted_probs",
-                     "must be given exactly when probs is given");
-  detail::check_out(permuted, where, "permuted", tokens.dtype, {N, H});
-  if (permuted_probs) detail::check_out(*permuted_probs, where, "permuted_probs", probs->dtype, {N});
-  const IndexView indices = detail::check_indices(sorted_indices, where, "sorted_indices", N, T);
-  detail::check_no_overlap(permuted, {&tokens, &routing_map, probs, &sorted_indices, permuted_probs}, where, "permuted");
-  if (permuted_probs)
-    detail::check_no_overlap(*permuted_probs, {&tokens, &routing_map, probs, &sorted_indices}, where, "permuted_probs");
-  detail::check_no_overlap(sorted_indices, {&tokens, &routing_map, probs}, where, "sorted_indices");
+  const IndexView indices =
+      check_permute_layout(tokens, routing_map, probs, N, permuted, permuted_probs, sorted_indices, true);
 
   detail::PermuteProblem p;
   p.map = routing_map.data_as<const uint8_t>();
@@ -102,21 +133,32 @@ void permute(const Tensor& tokens, const Tensor& routing_map, const Tensor* prob
 
 namespace {
 
-// unpermute's body, with the names its callers use in error messages.
+// unpermute's rules that need no values, with the names its callers use in error messages.
+IndexView check_unpermute_layout(const char* where, const char* in_name, const char* out_name,
+                                 const Tensor& permuted, const Tensor& sorted_indices, const Tensor& out,
+                                 const Tensor* probs, const Tensor* routing_map, bool drop_and_pad, bool host) {
+  detail::check_rows(permuted, where, in_name, 2, host);
+  check_dtype(permuted, {DType::kFloat32, DType::kFloat16, DType::kBFloat16}, where, in_name);
+  const int64_t N = permuted.shape[0], H = permuted.shape[1];
+  detail::check_rows(out, where, out_name, 2, host);
+  const int64_t T = out.shape[0];
+  detail::check_out(out, where, out_name, permuted.dtype, {T, H}, host);
+  const IndexView indices = detail::check_indices(sorted_indices, where, "sorted_indices", N, T, host);
+  detail::check_slot_probs_args(where, N, T, probs, routing_map, drop_and_pad, host);
+  detail::check_no_overlap(out, {&permuted, &sorted_indices, probs, routing_map}, where, out_name);
+  return indices;
+}
+
+// unpermute's body.
 void unpermute_impl(const char* where, const char* in_name, const char* out_name, const Tensor& permuted,
                     const Tensor& sorted_indices, const Tensor& out, const Tensor* probs, const Tensor* routing_map,
                     bool drop_and_pad, Method method) {
-  detail::check_rows(permuted, where, in_name, 2);
-  check_dtype(permuted, {DType::kFloat32, DType::kFloat16, DType::kBFloat16}, where, in_name);
-  const int64_t N = permuted.shape[0], H = permuted.shape[1];
-  detail::check_rows(out, where, out_name, 2);
-  const int64_t T = out.shape[0];
-  detail::check_out(out, where, out_name, permuted.dtype, {T, H});
-  const IndexView indices = detail::check_indices(sorted_indices, where, "sorted_indices", N, T);
+  const IndexView indices = check_unpermute_layout(where, in_name, out_name, permuted, sorted_indices, out, probs,
+                                                   routing_map, drop_and_pad, true);
+  const int64_t N = permuted.shape[0], H = permuted.shape[1], T = out.shape[0];
   detail::check_index_values(indices, N, T, where);
   const std::vector<float> slot_probs =
       detail::slot_probs(where, indices, N, T, probs, routing_map, drop_and_pad);
-  detail::check_no_overlap(out, {&permuted, &sorted_indices, probs, routing_map}, where, out_name);
 
   detail::UnpermuteProblem p;
   p.permuted = static_cast<const char*>(permuted.data);
@@ -133,6 +175,17 @@ void unpermute_impl(const char* where, const char* in_name, const char* out_name
 
 }  // namespace
 
+void check_unpermute_args(const Tensor& permuted, const Tensor& sorted_indices, const Tensor& out, const Tensor* probs,
+                          const Tensor* routing_map, bool drop_and_pad) {
+  check_unpermute_layout("unpermute", "permuted", "out", permuted, sorted_indices, out, probs, routing_map,
+                         drop_and_pad, false);
+}
+
+void check_permute_backward_args(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens) {
+  check_unpermute_layout("permute_backward", "dpermuted", "dtokens", dpermuted, sorted_indices, dtokens, nullptr,
+                         nullptr, false, false);
+}
+
 void unpermute(const Tensor& permuted, const Tensor& sorted_indices, const Tensor& out, const Tensor* probs,
                const Tensor* routing_map, bool drop_and_pad, Method method) {
   unpermute_impl("unpermute", "permuted", "out", permuted, sorted_indices, out, probs, routing_map, drop_and_pad,
@@ -145,21 +198,41 @@ void permute_backward(const Tensor& dpermuted, const Tensor& sorted_indices, con
                  false, method);
 }
 
-void permute_probs_backward(const Tensor& dpermuted_probs, const Tensor& sorted_indices, const Tensor& routing_map,
-                            bool drop_and_pad, const Tensor& dprobs) {
+namespace {
+
+IndexView check_permute_probs_backward_layout(const Tensor& dpermuted_probs, const Tensor& sorted_indices,
+                                              const Tensor& routing_map, bool drop_and_pad, const Tensor& dprobs,
+                                              bool host) {
   constexpr const char* where = "permute_probs_backward";
-  detail::check_map(routing_map, where, "routing_map");
+  detail::check_map(routing_map, where, "routing_map", host);
   const int64_t T = routing_map.shape[0], E = routing_map.shape[1];
-  detail::check_rows(dpermuted_probs, where, "dpermuted_probs", 1);
+  detail::check_rows(dpermuted_probs, where, "dpermuted_probs", 1, host);
   check_dtype(dpermuted_probs, {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64}, where,
               "dpermuted_probs");
   const int64_t N = dpermuted_probs.shape[0];
-  const IndexView indices = detail::check_indices(sorted_indices, where, "sorted_indices", N, T);
-  detail::check_index_values(indices, N, T, where);
+  const IndexView indices = detail::check_indices(sorted_indices, where, "sorted_indices", N, T, host);
   check_tensor(dprobs, where, "dprobs");
   check_dtype(dprobs, {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64}, where, "dprobs");
-  detail::check_out(dprobs, where, "dprobs", dprobs.dtype, {T, E});
+  detail::check_out(dprobs, where, "dprobs", dprobs.dtype, {T, E}, host);
+  detail::check_slot_experts_args(where, N, routing_map, drop_and_pad, host);
   detail::check_no_overlap(dprobs, {&dpermuted_probs, &sorted_indices, &routing_map}, where, "dprobs");
+  return indices;
+}
+
+}  // namespace
+
+void check_permute_probs_backward_args(const Tensor& dpermuted_probs, const Tensor& sorted_indices,
+                                       const Tensor& routing_map, bool drop_and_pad, const Tensor& dprobs) {
+  check_permute_probs_backward_layout(dpermuted_probs, sorted_indices, routing_map, drop_and_pad, dprobs, false);
+}
+
+void permute_probs_backward(const Tensor& dpermuted_probs, const Tensor& sorted_indices, const Tensor& routing_map,
+                            bool drop_and_pad, const Tensor& dprobs) {
+  constexpr const char* where = "permute_probs_backward";
+  const IndexView indices =
+      check_permute_probs_backward_layout(dpermuted_probs, sorted_indices, routing_map, drop_and_pad, dprobs, true);
+  const int64_t T = routing_map.shape[0], E = routing_map.shape[1], N = dpermuted_probs.shape[0];
+  detail::check_index_values(indices, N, T, where);
   const std::vector<int64_t> experts = detail::slot_experts(where, indices, N, routing_map, drop_and_pad);
   std::vector<double> grad(static_cast<size_t>(T * E), 0.0);
   for (int64_t i = 0; i < N; ++i) {
@@ -170,30 +243,53 @@ void permute_probs_backward(const Tensor& dpermuted_probs, const Tensor& sorted_
   for (int64_t j = 0; j < T * E; ++j) store_from_double(dprobs.data, dprobs.dtype, j, grad[static_cast<size_t>(j)]);
 }
 
-void unpermute_backward(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices, const Tensor* probs,
-                        const Tensor* routing_map, bool drop_and_pad, Method method, const Tensor& dpermuted,
-                        const Tensor* dprobs) {
+namespace {
+
+IndexView check_unpermute_backward_layout(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices,
+                                          const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
+                                          const Tensor& dpermuted, const Tensor* dprobs, bool host) {
   constexpr const char* where = "unpermute_backward";
-  detail::check_rows(permuted, where, "permuted", 2);
+  detail::check_rows(permuted, where, "permuted", 2, host);
   check_dtype(permuted, {DType::kFloat32, DType::kFloat16, DType::kBFloat16}, where, "permuted");
   const int64_t N = permuted.shape[0], H = permuted.shape[1];
-  detail::check_rows(dout, where, "dout", 2);
+  detail::check_rows(dout, where, "dout", 2, host);
   const int64_t T = dout.shape[0];
-  detail::check_out(dout, where, "dout", permuted.dtype, {T, H});
-  detail::check_out(dpermuted, where, "dpermuted", permuted.dtype, {N, H});
-  const IndexView indices = detail::check_indices(sorted_indices, where, "sorted_indices", N, T);
-  detail::check_index_values(indices, N, T, where);
-  const std::vector<float> slot_probs =
-      detail::slot_probs(where, indices, N, T, probs, routing_map, drop_and_pad);
+  detail::check_out(dout, where, "dout", permuted.dtype, {T, H}, host);
+  detail::check_out(dpermuted, where, "dpermuted", permuted.dtype, {N, H}, host);
+  const IndexView indices = detail::check_indices(sorted_indices, where, "sorted_indices", N, T, host);
+  detail::check_slot_probs_args(where, N, T, probs, routing_map, drop_and_pad, host);
   if (dprobs) {
     LEANSTEP_CHECK_ARG(probs != nullptr, where, "dprobs", "needs probs (it has probs' shape and dtype)");
     detail::check_out(*dprobs, where, "dprobs", probs->dtype,
                       routing_map ? std::initializer_list<int64_t>{T, routing_map->shape[1]}
-                                  : std::initializer_list<int64_t>{N});
+                                  : std::initializer_list<int64_t>{N},
+                      host);
     detail::check_no_overlap(*dprobs, {&dout, &permuted, &sorted_indices, probs, routing_map, &dpermuted}, where,
                              "dprobs");
   }
   detail::check_no_overlap(dpermuted, {&dout, &permuted, &sorted_indices, probs, routing_map}, where, "dpermuted");
+  return indices;
+}
+
+}  // namespace
+
+void check_unpermute_backward_args(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices,
+                                   const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
+                                   const Tensor& dpermuted, const Tensor* dprobs) {
+  check_unpermute_backward_layout(dout, permuted, sorted_indices, probs, routing_map, drop_and_pad, dpermuted, dprobs,
+                                  false);
+}
+
+void unpermute_backward(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices, const Tensor* probs,
+                        const Tensor* routing_map, bool drop_and_pad, Method method, const Tensor& dpermuted,
+                        const Tensor* dprobs) {
+  constexpr const char* where = "unpermute_backward";
+  const IndexView indices = check_unpermute_backward_layout(dout, permuted, sorted_indices, probs, routing_map,
+                                                            drop_and_pad, dpermuted, dprobs, true);
+  const int64_t N = permuted.shape[0], H = permuted.shape[1], T = dout.shape[0];
+  detail::check_index_values(indices, N, T, where);
+  const std::vector<float> slot_probs =
+      detail::slot_probs(where, indices, N, T, probs, routing_map, drop_and_pad);
 
   std::vector<double> dslot(dprobs ? static_cast<size_t>(N) : 0);
   detail::UnpermuteBackwardProblem p;

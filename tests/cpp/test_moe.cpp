@@ -558,4 +558,56 @@ TEST(MoeErrors, BadInputIsRejectedWithNamedArguments) {
 }
 
 }  // namespace
+// The rules on metadata (moe::check_*_args), as the device backends call them:
+// views of device memory at addresses no host code may read (a read would fault).
+// They take what the kernels take and refuse what the kernels refuse, by name.
+TEST(MoeErrors, MetadataChecksReadNoTensorMemory) {
+  const Device gpu{DeviceType::kCUDA, 0};
+  uintptr_t next = uintptr_t{1} << 60;  // beyond every user address space: a read faults
+  auto view = [&](DType dtype, std::initializer_list<int64_t> shape) {
+    Tensor t(reinterpret_cast<void*>(next), dtype, shape, gpu);
+    next += uintptr_t{1} << 40;
+    return t;
+  };
+  const Tensor tokens = view(DType::kFloat32, {4, 3}), map = view(DType::kBool, {4, 2});
+  const Tensor probs = view(DType::kFloat32, {4, 2});
+  const Tensor permuted = view(DType::kFloat32, {5, 3}), pprobs = view(DType::kFloat32, {5});
+  const Tensor idx = view(DType::kInt64, {5});
+  moe::check_permute_args(tokens, map, &probs, 5, false, permuted, &pprobs, idx);
+  moe::check_permute_args(tokens, map, &probs, std::nullopt, false, permuted, &pprobs, idx);  // rows: the outputs'
+  EXPECT_LEANSTEP_ERROR(moe::check_permute_args(tokens, map, &probs, 4, false, permuted, &pprobs, idx),
+                        "permute: argument 'permuted' must have shape [4, 3]");
+  EXPECT_LEANSTEP_ERROR(moe::check_permute_args(tokens, map, &probs, 5, true, permuted, &pprobs, idx),
+                        "multiple of E=2");
+  EXPECT_LEANSTEP_ERROR(moe::check_permute_args(tokens, map, nullptr, 5, false, permuted, &pprobs, idx),
+                        "'permuted_probs' must be given exactly when probs is given");
+  EXPECT_LEANSTEP_ERROR(moe::check_permute_args(tokens, view(DType::kUInt8, {4, 2}), nullptr, 5, false, permuted,
+                                                nullptr, idx),
+                        "'routing_map' must have dtype");
+  const Tensor alias(tokens.data, DType::kFloat32, {5, 3}, gpu);
+  EXPECT_LEANSTEP_ERROR(moe::check_permute_args(tokens, map, nullptr, 5, false, alias, nullptr, idx), "overlap");
+
+  const Tensor out = view(DType::kFloat32, {4, 3});
+  moe::check_unpermute_args(permuted, idx, out, &probs, &map, false);
+  moe::check_unpermute_args(permuted, idx, out, &pprobs, nullptr, false);
+  EXPECT_LEANSTEP_ERROR(moe::check_unpermute_args(permuted, idx, out, &probs, &map, true),
+                        "'sorted_indices' must have E * capacity entries");
+  EXPECT_LEANSTEP_ERROR(moe::check_unpermute_args(permuted, view(DType::kInt64, {4}), out, nullptr, nullptr, false),
+                        "'sorted_indices' must have shape [5]");
+  moe::check_permute_backward_args(permuted, idx, out);
+  EXPECT_LEANSTEP_ERROR(moe::check_permute_backward_args(permuted, idx, view(DType::kFloat16, {4, 3})),
+                        "permute_backward: argument 'dtokens'");
+  const Tensor dprobs = view(DType::kFloat32, {4, 2});
+  moe::check_permute_probs_backward_args(pprobs, idx, map, false, dprobs);
+  EXPECT_LEANSTEP_ERROR(moe::check_permute_probs_backward_args(pprobs, idx, map, true, dprobs), "E * capacity");
+  const Tensor dpermuted = view(DType::kFloat32, {5, 3});
+  moe::check_unpermute_backward_args(out, permuted, idx, &probs, &map, false, dpermuted, &dprobs);
+  EXPECT_LEANSTEP_ERROR(moe::check_unpermute_backward_args(out, permuted, idx, nullptr, nullptr, false, dpermuted,
+                                                           &dprobs),
+                        "'dprobs' needs probs");
+  // The kernels themselves still take host memory only.
+  EXPECT_LEANSTEP_ERROR(moe::permute(tokens, map, nullptr, 5, false, Method::kFused, permuted, nullptr, idx),
+                        "permute: argument 'tokens' lives on cuda");
+}
+
 }  // namespace leanstep::testing

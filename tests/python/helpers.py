@@ -3,6 +3,8 @@
 import numpy as np
 import torch
 
+import leanstep
+
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 # Unit roundoff (half an ulp at 1) of each dtype.
@@ -48,3 +50,101 @@ def assert_within_ulps(actual, expected_f64, dtype, ulps=1.0, atol=0.0):
         raise AssertionError(
             f"{bad.sum()} of {bad.size} elements off by more than {ulps} ulp(s) + {atol}: "
             f"first at {tuple(i)}: got {a[tuple(i)]!r}, expected {expected_f64[tuple(i)]!r}")
+
+
+def moe_hostile_calls(torch_gen, device="cpu"):
+    """(name, call(backend), message) for MoE inputs every backend must refuse
+    with the C++ kernels' rule (leanstep/moe.h check_*_args on metadata)."""
+    t, e, h = 6, 3, 4
+    tokens = torch.randn(t, h, generator=torch_gen).to(device)
+    routing_map = torch.zeros(t, e, dtype=torch.bool)
+    routing_map[:, 1] = True
+    routing_map[::2, 2] = True
+    routing_map = routing_map.to(device)
+    probs = torch.rand(t, e, generator=torch_gen).to(device)
+    n = 9  # routed pairs
+    permuted = torch.randn(n, h, generator=torch_gen).to(device)
+    indices = torch.arange(n).remainder(t).to(device)
+    d = device
+    return [
+        ("tokens 1-D", lambda b: leanstep.moe_permute(tokens[:, 0].contiguous(), routing_map, backend=b),
+         r"permute: argument 'tokens' must have 2 dims"),
+        ("map not bool", lambda b: leanstep.moe_permute(tokens, routing_map.int(), backend=b),
+         r"permute: argument 'routing_map' must have dtype"),
+        ("map of no expert", lambda b: leanstep.moe_permute(tokens, routing_map[:, :0], backend=b),
+         r"argument 'routing_map' must have at least one expert"),
+        ("tokens of another T", lambda b: leanstep.moe_permute(tokens[:5], routing_map, backend=b),
+         r"argument 'tokens' must have T=6 rows like routing_map"),
+        ("probs [T, E-1]", lambda b: leanstep.moe_permute(tokens, routing_map, probs[:, :2].contiguous(),
+                                                          backend=b),
+         r"argument 'probs' must have shape \[6, 3\] like routing_map"),
+        ("tokens strided", lambda b: leanstep.moe_permute(tokens.t().contiguous().t(), routing_map,
+                                                          backend=b),
+         r"argument 'tokens' must be contiguous"),
+        ("num_out_tokens < 0", lambda b: leanstep.moe_permute(tokens, routing_map,
+                                                              num_out_tokens=-1, backend=b),
+         r"permute: argument 'num_out_tokens' must be >= 0 \(got -1\)"),
+        ("drop_and_pad without num_out_tokens",
+         lambda b: leanstep.moe_permute(tokens, routing_map, drop_and_pad=True, backend=b),
+         r"argument 'num_out_tokens' is required with drop_and_pad"),
+        ("drop_and_pad, not E * capacity",
+         lambda b: leanstep.moe_permute(tokens, routing_map, num_out_tokens=7, drop_and_pad=True,
+                                        backend=b),
+         r"argument 'num_out_tokens' must be a multiple of E=3"),
+        ("drop_and_pad, capacity > T",
+         lambda b: leanstep.moe_permute(tokens, routing_map, num_out_tokens=21, drop_and_pad=True,
+                                        backend=b),
+         r"gives capacity 7 > T=6"),
+        ("unpermute, float indices",
+         lambda b: leanstep.moe_unpermute(permuted, indices.float(), (t, h), backend=b),
+         r"unpermute: argument 'sorted_indices' must have dtype"),
+        ("unpermute, indices of another N",
+         lambda b: leanstep.moe_unpermute(permuted, indices[:5], (t, h), backend=b),
+         r"argument 'sorted_indices' must have shape \[9\]"),
+        ("unpermute, int permuted",
+         lambda b: leanstep.moe_unpermute(permuted.int(), indices, (t, h), backend=b),
+         r"unpermute: argument 'permuted' must have dtype"),
+        ("unpermute, [N+1] probs",
+         lambda b: leanstep.moe_unpermute(permuted, indices, (t, h),
+                                          torch.rand(n + 1, device=d), backend=b),
+         r"argument 'probs' must be the \[N=9\] permuted probs"),
+        ("unpermute, map of another T",
+         lambda b: leanstep.moe_unpermute(permuted, indices, (t, h), probs[:5], routing_map[:5],
+                                          backend=b),
+         r"argument 'routing_map' must have T=6 rows like the output"),
+        ("unpermute, probs [T, E-1]",
+         lambda b: leanstep.moe_unpermute(permuted, indices, (t, h), probs[:, :2].contiguous(), routing_map,
+                                          backend=b),
+         r"argument 'probs' must have shape \[6, 3\] like routing_map"),
+        ("unpermute, drop_and_pad rows not E * capacity",
+         lambda b: leanstep.moe_unpermute(permuted[:8], indices[:8], (t, h), probs, routing_map,
+                                          drop_and_pad=True, backend=b),
+         r"argument 'sorted_indices' must have E \* capacity entries with drop_and_pad"),
+        ("unpermute, restore_shape of another H",
+         lambda b: leanstep.moe_unpermute(permuted, indices, (t, h + 1), backend=b),
+         r"argument 'restore_shape' must be \(T >= 0, H=4\)"),
+        ("unpermute, fractional restore_shape",
+         lambda b: leanstep.moe_unpermute(permuted, indices, (6.5, h), backend=b),
+         r"argument 'restore_shape' must be a host integer"),
+        ("permute_backward, negative num_tokens",
+         lambda b: leanstep.moe_permute_backward(permuted, indices, -1, backend=b),
+         r"permute_backward: argument 'num_tokens' must be >= 0 \(got -1\)"),
+        ("permute_backward, fractional num_tokens",
+         lambda b: leanstep.moe_permute_backward(permuted, indices, 6.5, backend=b),
+         r"permute_backward: argument 'num_tokens' must be a host integer"),
+        ("permute_probs_backward, 2-D dprobs",
+         lambda b: leanstep.moe_permute_probs_backward(permuted, indices, routing_map, backend=b),
+         r"permute_probs_backward: argument 'dpermuted_probs' must have 1 dims"),
+        ("permute_probs_backward, drop_and_pad rows not E * capacity",
+         lambda b: leanstep.moe_permute_probs_backward(torch.rand(8, device=d), indices[:8],
+                                                       routing_map, True, backend=b),
+         r"argument 'sorted_indices' must have E \* capacity entries with drop_and_pad"),
+        ("unpermute_backward, dout of another H",
+         lambda b: leanstep.moe_unpermute_backward(torch.randn(t, h + 1, device=d), permuted,
+                                                   indices, backend=b),
+         r"unpermute_backward: argument 'dout' must have shape \[6, 4\]"),
+        ("unpermute_backward, probs [T, E-1]",
+         lambda b: leanstep.moe_unpermute_backward(torch.randn(t, h, device=d), permuted, indices,
+                                                   probs[:, :2].contiguous(), routing_map, backend=b),
+         r"argument 'probs' must have shape \[6, 3\] like routing_map"),
+    ]

@@ -7,6 +7,8 @@ import torch
 
 import leanstep
 
+from helpers import moe_hostile_calls
+
 
 @pytest.fixture(autouse=True)
 def restore_preset():
@@ -312,3 +314,47 @@ def test_sort_chunks_split_sizes_that_wrap_int64_are_refused(torch_gen):
         leanstep.sort_chunks_by_idxs(rows, sizes, order)
     with pytest.raises(RuntimeError, match="'split_sizes' must be >= 0 and sum to at most"):
         leanstep.sort_chunks_by_idxs(rows, sizes, order, backend="torch")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_moe_arguments_have_the_cpu_rules_on_every_backend(backend, torch_gen):
+    # The torch-op backend had its own copies of the MoE rules (a bool map, the
+    # probs' shapes, E * capacity slots, ...), which had drifted: it took strided
+    # tokens and truncated nothing the CPU refused, but the messages differed.
+    # Both now run the C++ rules; every hostile call is refused the same way.
+    for name, call, message in moe_hostile_calls(torch_gen):
+        with pytest.raises(leanstep.Error, match=message):
+            call(backend)
+            pytest.fail(f"{name}: accepted")
+
+
+def test_moe_rules_on_meta_tensors_read_nothing(torch_gen):
+    # On meta tensors (no data: any host read raises) the device backend refuses
+    # the same inputs before it runs anything.
+    for name, call, message in moe_hostile_calls(torch_gen, device="meta"):
+        with pytest.raises(leanstep.Error, match=message):
+            call(None)
+            pytest.fail(f"{name}: accepted")
+    tokens = torch.empty(6, 4, device="meta")
+    routing_map = torch.empty(6, 3, dtype=torch.bool, device="meta")
+    permuted, _, indices = leanstep.moe_permute(tokens, routing_map, num_out_tokens=9)
+    assert permuted.shape == (9, 4) and indices.shape == (9,)
+    assert leanstep.moe_unpermute(permuted, indices, (6, 4)).shape == (6, 4)
+
+
+def test_moe_value_rules_run_on_the_device_for_the_torch_backend(torch_gen):
+    # The rules on values (checked by the CPU kernels before they write) are
+    # asynchronous device checks there: -1 beyond the routed pairs is one.
+    tokens = torch.randn(6, 4, generator=torch_gen)
+    routing_map = torch.zeros(6, 3, dtype=torch.bool)
+    routing_map[:, 1] = True
+    probs = torch.rand(6, 3, generator=torch_gen)
+    permuted, _, indices = leanstep.moe_permute(tokens, routing_map, num_out_tokens=8)
+    bad = indices.clone()
+    bad[7] = 2  # a source token in a slot past the 6 routed pairs
+    with pytest.raises(leanstep.Error, match="must be -1 beyond the 6 routed pairs"):
+        leanstep.moe_unpermute(permuted, bad, (6, 4), probs, routing_map)
+    with pytest.raises(RuntimeError, match="must be -1 beyond the routed pairs"):
+        leanstep.moe_unpermute(permuted, bad, (6, 4), probs, routing_map, backend="torch")
+    out = leanstep.moe_unpermute(permuted, indices, (6, 4), probs, routing_map, backend="torch")
+    assert torch.equal(out, leanstep.moe_unpermute(permuted, indices, (6, 4), probs, routing_map))

@@ -17,6 +17,7 @@ import torch
 import leanstep
 from leanstep import _backend
 
+from helpers import moe_hostile_calls
 import triton_harness  # noqa: E402 (tests/python is on sys.path under pytest)
 
 
@@ -190,6 +191,21 @@ def test_permute_backward_is_bitwise_the_cpu_path(dtype, torch_gen):
     assert_bitwise(out, leanstep.moe_permute_backward(d, idx, T))
     with pytest.raises(leanstep.Error, match="argument 'num_tokens' must be >= 0"):
         triton_moe.permute_backward(dev(d), dev(idx), -1)
+
+
+def test_the_kernels_refuse_what_the_cpu_path_refuses(torch_gen):
+    """The Triton entry points check with the C++ rules on metadata too
+    (tests/python/test_paths.py runs the same list on cpu, torch and meta)."""
+    device = DEVICE if NATIVE else "cpu"
+    tried = 0
+    for name, call, message in moe_hostile_calls(torch_gen, device=device):
+        if name.startswith(("permute_probs_backward", "unpermute_backward")):
+            continue  # no Triton kernels: the torch-op backend runs them
+        with pytest.raises(leanstep.Error, match=message):
+            call("triton")
+            pytest.fail(f"{name}: accepted")
+        tried += 1
+    assert tried >= 20
 
 
 def test_self_check_passes_and_catches_a_broken_kernel(monkeypatch):

@@ -30,14 +30,16 @@ import torch
 import torch.nn.functional as F
 
 from .._leanstep import Error
-from .._rules import host_int as _host_int
-
-METHODS = ("sort", "fused")
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from .._rules import (METHODS, check_method, check_moe_permute, check_moe_permute_probs_backward,
+                      check_moe_unpermute, check_moe_unpermute_backward, host_count, host_int,
+                      restore_rows)
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
 
-# ---------------------------------------------------------------- checks (metadata only)
+# ---------------------------------------------------------------- checks
+# The rules on metadata are the C++ kernels' (leanstep._rules check_moe_*);
+# the ones here serve pad_routing_map and sort_chunks_by_idxs, and the rules
+# on values run on the device.
 
 
 def _describe(t):
@@ -67,18 +69,9 @@ def _check_map(routing_map, where):
         _fail(where, "routing_map", f"must have at least one expert (got {_describe(routing_map)})")
 
 
-def _check_method(method, where):
-    if method not in METHODS:
-        _fail(where, "method", f'must be "sort" or "fused" (got {method!r})')
-
-
-def _check_indices(sorted_indices, where, rows, num_tokens):
-    """Shape and dtype on the host; the values in [-1, T) asynchronously."""
-    _check_dtype(sorted_indices, where, "sorted_indices", _INDEX_DTYPES)
-    if sorted_indices.dim() != 1 or sorted_indices.shape[0] != rows:
-        _fail(where, "sorted_indices",
-              f"must have shape [{rows}] (got {_describe(sorted_indices)})")
-    if rows:
+def _assert_indices_in_range(sorted_indices, where, num_tokens):
+    """sorted_indices in [-1, T), on the device (shape and dtype: the C++ rules)."""
+    if sorted_indices.shape[0]:
         in_range = ((sorted_indices >= -1) & (sorted_indices < num_tokens)).all()
         torch._assert_async(in_range, f"{where}: argument 'sorted_indices' must hold token indices "
                                       f"in [-1, T={num_tokens})")
@@ -89,31 +82,21 @@ def _wide_dtype(device):
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def _output_rows(where, routing_map, num_out_tokens, drop_and_pad):
-    """(rows, capacity): host ints; only num_out_tokens=None reads the device."""
-    num_tokens, num_experts = routing_map.shape
+def output_rows(tokens, routing_map, probs, num_out_tokens, drop_and_pad, method, where="permute"):
+    """permute's rules, then (rows, capacity): host ints; only
+    num_out_tokens=None reads the device (the routed count is the row count)."""
+    check_method(method, where)
     if num_out_tokens is not None:
-        num_out_tokens = _host_int(num_out_tokens, where, "num_out_tokens")
-        if num_out_tokens < 0:
-            _fail(where, "num_out_tokens", f"must be >= 0 (got {num_out_tokens})")
+        num_out_tokens = host_int(num_out_tokens, where, "num_out_tokens")
+    check_moe_permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad)
     if drop_and_pad:
-        if num_out_tokens is None:
-            _fail(where, "num_out_tokens", "is required with drop_and_pad (it is E * capacity)")
-        if num_out_tokens % num_experts:
-            _fail(where, "num_out_tokens", f"must be a multiple of E={num_experts} with "
-                                           f"drop_and_pad (got {num_out_tokens})")
-        capacity = num_out_tokens // num_experts
-        if capacity > num_tokens:
-            _fail(where, "num_out_tokens", f"gives capacity {capacity} > T={num_tokens} "
-                                           f"(num_out_tokens / E must be <= T)")
-        return num_out_tokens, capacity
+        return num_out_tokens, num_out_tokens // routing_map.shape[1]
     if num_out_tokens is None:
-        # The routed count is the output's row count: the one host read here.
-        return int(routing_map.sum()), None
+        return int(routing_map.sum()), None  # the one host read here
     return num_out_tokens, None
 
 
-def _assert_rows_cover_routed(routed_fits, rows):
+def assert_rows_cover_routed(routed_fits, rows):
     torch._assert_async(routed_fits, f"permute: argument 'num_out_tokens' must be >= the number of "
                                      f"routed (token, expert) pairs (got {rows})")
 
@@ -147,7 +130,7 @@ def _plain_codes_sort(routing_map, rows):
     keys, order = torch.sort(keys, descending=True, stable=True)
     if rows < num_tokens * num_experts:
         # At most `rows` pairs are routed iff the key after the first `rows` is 0.
-        _assert_rows_cover_routed(keys[rows] == 0, rows)
+        assert_rows_cover_routed(keys[rows] == 0, rows)
     if rows <= keys.numel():
         keys, order = keys[:rows], order[:rows]
     else:
@@ -201,20 +184,8 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=F
     routed count is the output's row count). ``num_out_tokens`` smaller than
     the routed count is reported by ``torch._assert_async`` (asynchronously
     on an accelerator)."""
-    where = "permute"
-    _check_method(method, where)
-    _check_map(routing_map, where)
-    _check_ndim(tokens, where, "tokens", 2)
-    num_tokens, num_experts = routing_map.shape
-    if tokens.shape[0] != num_tokens:
-        _fail(where, "tokens", f"must have T={num_tokens} rows like routing_map "
-                               f"(got {_describe(tokens)})")
-    if probs is not None:
-        _check_ndim(probs, where, "probs", 2)
-        if tuple(probs.shape) != (num_tokens, num_experts):
-            _fail(where, "probs", f"must have shape [{num_tokens}, {num_experts}] like "
-                                  f"routing_map (got {_describe(probs)})")
-    rows, capacity = _output_rows(where, routing_map, num_out_tokens, drop_and_pad)
+    rows, capacity = output_rows(tokens, routing_map, probs, num_out_tokens, drop_and_pad, method)
+    num_tokens = routing_map.shape[0]
     device = tokens.device
     if num_tokens == 0:  # nothing routed: every row has no source
         permuted = torch.zeros((rows, tokens.shape[1]), dtype=tokens.dtype, device=device)
@@ -235,42 +206,30 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=F
 def _slot_experts(where, sorted_indices, rows, routing_map, drop_and_pad):
     """Expert of every slot: i // capacity (drop_and_pad), else from the map's
     per-expert counts; slots beyond the routed pairs get E (a zero column of
-    the padded probs)."""
-    _check_map(routing_map, where)
+    the padded probs). The rules on metadata are checked already."""
     num_experts = routing_map.shape[1]
     device = sorted_indices.device
     slots = torch.arange(rows, device=device)
     if drop_and_pad:
-        if rows % num_experts:
-            _fail(where, "sorted_indices", f"must have E * capacity entries with drop_and_pad "
-                                           f"(got {rows}, E={num_experts})")
         return slots // max(rows // num_experts, 1)
     ends = routing_map.sum(0).cumsum(0)
     torch._assert_async(ends[-1] <= rows, f"{where}: argument 'sorted_indices' must have at least "
                                           f"one entry per routed pair of routing_map (got {rows})")
-    return torch.searchsorted(ends, slots, right=True)
+    experts = torch.searchsorted(ends, slots, right=True)
+    torch._assert_async(((experts < num_experts) | (sorted_indices == -1)).all(),
+                        f"{where}: argument 'sorted_indices' must be -1 beyond the routed pairs "
+                        f"of routing_map")
+    return experts
 
 
-def _slot_probs(where, sorted_indices, rows, num_tokens, probs, routing_map, drop_and_pad):
+def slot_probs(where, sorted_indices, rows, num_tokens, probs, routing_map, drop_and_pad):
     """(fp32 prob of every slot, expert of every slot): [N] probs give no
     experts; [T, E] probs with routing_map give prob 0 to slots with no
     source. (None, None) without probs."""
     if probs is None:
         return None, None
-    _check_dtype(probs, where, "probs", _FLOAT_DTYPES)
     if routing_map is None:
-        if probs.dim() != 1 or probs.shape[0] != rows:
-            _fail(where, "probs", f"must be the [N={rows}] permuted probs when routing_map is not "
-                                  f"given (got {_describe(probs)})")
         return probs.float(), None
-    _check_map(routing_map, where)
-    num_experts = routing_map.shape[1]
-    if routing_map.shape[0] != num_tokens:
-        _fail(where, "routing_map", f"must have T={num_tokens} rows like the output "
-                                    f"(got {_describe(routing_map)})")
-    if tuple(probs.shape) != (num_tokens, num_experts):
-        _fail(where, "probs", f"must have shape [{num_tokens}, {num_experts}] like routing_map "
-                              f"(got {_describe(probs)})")
     experts = _slot_experts(where, sorted_indices, rows, routing_map, drop_and_pad)
     # Token -1 reads the appended zero row, expert E the appended zero column.
     return F.pad(probs, (0, 1, 0, 1))[sorted_indices.long(), experts].float(), experts
@@ -296,18 +255,13 @@ def _scatter_add(rows_in, sorted_indices, num_tokens, weights):
     return acc[:num_tokens].to(rows_in.dtype)
 
 
-def _check_rows_in(t, where, name):
-    _check_ndim(t, where, name, 2)
-    _check_dtype(t, where, name, _FLOAT_DTYPES)
-
-
-def _restore_shape(restore_shape, where, hidden):
-    shape = tuple(restore_shape)
-    if len(shape) != 2:
-        _fail(where, "restore_shape", f"must be (T, H) (got {shape})")
-    num_tokens, width = (_host_int(s, where, "restore_shape") for s in shape)
-    if num_tokens < 0 or width != hidden:
-        _fail(where, "restore_shape", f"must be (T >= 0, H={hidden}) (got {shape})")
+def unpermute_rows(permuted, sorted_indices, restore_shape, probs, routing_map, drop_and_pad):
+    """unpermute's rules (the values' on the device); returns T."""
+    where = "unpermute"
+    num_tokens = (restore_rows(restore_shape, where, permuted.shape[1]) if permuted.dim() == 2
+                  else 0)
+    check_moe_unpermute(permuted, sorted_indices, num_tokens, probs, routing_map, drop_and_pad)
+    _assert_indices_in_range(sorted_indices, where, num_tokens)
     return num_tokens
 
 
@@ -315,11 +269,10 @@ def unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_map=N
               drop_and_pad=False):
     """As :func:`leanstep.moe_unpermute`: ``[T, H]`` in permuted's dtype."""
     where = "unpermute"
-    _check_rows_in(permuted, where, "permuted")
-    rows, hidden = permuted.shape
-    num_tokens = _restore_shape(restore_shape, where, hidden)
-    _check_indices(sorted_indices, where, rows, num_tokens)
-    weights, _ = _slot_probs(where, sorted_indices, rows, num_tokens, probs, routing_map,
+    num_tokens = unpermute_rows(permuted, sorted_indices, restore_shape, probs, routing_map,
+                                drop_and_pad)
+    rows = permuted.shape[0]
+    weights, _ = slot_probs(where, sorted_indices, rows, num_tokens, probs, routing_map,
                              drop_and_pad)
     return _scatter_add(permuted, sorted_indices, num_tokens, weights)
 
@@ -327,9 +280,9 @@ def unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_map=N
 def permute_backward(dpermuted, sorted_indices, num_tokens):
     """Gradient of permute w.r.t. tokens (unpermute without probs)."""
     where = "permute_backward"
-    _check_rows_in(dpermuted, where, "dpermuted")
-    num_tokens = _host_int(num_tokens, where, "num_tokens")
-    _check_indices(sorted_indices, where, dpermuted.shape[0], num_tokens)
+    num_tokens = host_count(num_tokens, where, "num_tokens")
+    check_moe_unpermute(dpermuted, sorted_indices, num_tokens, None, None, False, where)
+    _assert_indices_in_range(sorted_indices, where, num_tokens)
     return _scatter_add(dpermuted, sorted_indices, num_tokens, None)
 
 
@@ -345,12 +298,10 @@ def _scatter_to_map(values, sorted_indices, experts, num_tokens, num_experts, dt
 def permute_probs_backward(dpermuted_probs, sorted_indices, routing_map, drop_and_pad=False):
     """Gradient of permute w.r.t. probs: ``[T, E]`` in dpermuted_probs' dtype."""
     where = "permute_probs_backward"
-    _check_map(routing_map, where)
-    _check_ndim(dpermuted_probs, where, "dpermuted_probs", 1)
-    _check_dtype(dpermuted_probs, where, "dpermuted_probs", _FLOAT_DTYPES + (torch.float64,))
+    check_moe_permute_probs_backward(dpermuted_probs, sorted_indices, routing_map, drop_and_pad)
     num_tokens, num_experts = routing_map.shape
     rows = dpermuted_probs.shape[0]
-    _check_indices(sorted_indices, where, rows, num_tokens)
+    _assert_indices_in_range(sorted_indices, where, num_tokens)
     experts = _slot_experts(where, sorted_indices, rows, routing_map, drop_and_pad)
     return _scatter_to_map(dpermuted_probs, sorted_indices, experts, num_tokens, num_experts,
                            dpermuted_probs.dtype)
@@ -365,15 +316,11 @@ def unpermute_backward(dout, permuted, sorted_indices, probs=None, routing_map=N
     path's serial one: the two can differ in the last bit after the cast to
     probs' dtype (see the tests for the bound)."""
     where = "unpermute_backward"
-    _check_rows_in(permuted, where, "permuted")
-    rows, hidden = permuted.shape
-    _check_ndim(dout, where, "dout", 2)
+    check_moe_unpermute_backward(dout, permuted, sorted_indices, probs, routing_map, drop_and_pad)
+    rows = permuted.shape[0]
     num_tokens = dout.shape[0]
-    if dout.dtype != permuted.dtype or dout.shape[1] != hidden:
-        _fail(where, "dout", f"must be {str(permuted.dtype).removeprefix('torch.')}"
-                             f"[{num_tokens}, {hidden}] like permuted (got {_describe(dout)})")
-    _check_indices(sorted_indices, where, rows, num_tokens)
-    weights, experts = _slot_probs(where, sorted_indices, rows, num_tokens, probs, routing_map,
+    _assert_indices_in_range(sorted_indices, where, num_tokens)
+    weights, experts = slot_probs(where, sorted_indices, rows, num_tokens, probs, routing_map,
                                    drop_and_pad)
     token = sorted_indices.long()
     has_source = token >= 0
@@ -402,7 +349,7 @@ def pad_routing_map(routing_map, multiple, out=None):
     of `multiple` by switching on its first unrouted tokens in token order."""
     where = "pad_routing_map"
     _check_map(routing_map, where)
-    multiple = _host_int(multiple, where, "multiple")
+    multiple = host_int(multiple, where, "multiple")
     if multiple < 1:
         _fail(where, "multiple", f"must be >= 1 (got {multiple})")
     if out is not None:

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._rules import host_int
+from .._rules import check_moe_unpermute, host_count
 from . import torch_moe as tm
 from . import triton_common as tc
 from .triton_common import bf16_bits_to_f32, f32_to_bf16_bits
@@ -161,20 +161,9 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=F
     :func:`leanstep.moe_permute`. Host reads: none when ``num_out_tokens`` is
     given; without it, one (the routed count is the output's row count)."""
     where = "permute"
-    tm._check_method(method, where)
-    tm._check_map(routing_map, where)
-    tm._check_ndim(tokens, where, "tokens", 2)
+    rows, capacity = tm.output_rows(tokens, routing_map, probs, num_out_tokens, drop_and_pad, method)
     tc.check_device(tokens.device, where, f"argument 'tokens' is on {tokens.device}")
     num_tokens, num_experts = routing_map.shape
-    if tokens.shape[0] != num_tokens:
-        tm._fail(where, "tokens", f"must have T={num_tokens} rows like routing_map "
-                                  f"(got {tm._describe(tokens)})")
-    if probs is not None:
-        tm._check_ndim(probs, where, "probs", 2)
-        if tuple(probs.shape) != (num_tokens, num_experts):
-            tm._fail(where, "probs", f"must have shape [{num_tokens}, {num_experts}] like "
-                                     f"routing_map (got {tm._describe(probs)})")
-    rows, capacity = tm._output_rows(where, routing_map, num_out_tokens, drop_and_pad)
     device = tokens.device
     hidden = tokens.shape[1]
     if num_tokens == 0:
@@ -193,7 +182,7 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=F
     _rank_kernel[(num_experts,)](rmap, ranks, counts, num_tokens, num_experts, BLOCK_T=block_t)
     if not drop_and_pad:
         # More routed pairs than rows is an error, as on the CPU (asynchronous on a device).
-        tm._assert_rows_cover_routed(counts.sum() <= rows, rows)
+        tm.assert_rows_cover_routed(counts.sum() <= rows, rows)
     if rows:
         dummy = indices
         _scatter_kernel[(num_experts, triton.cdiv(num_tokens, block_t))](
@@ -213,13 +202,12 @@ def unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_map=N
     """As :func:`leanstep.moe_unpermute`: ``[T, H]`` in permuted's dtype, the
     C++ path's bits (fp32 sums in increasing slot order, one cast)."""
     where = "unpermute"
-    tm._check_rows_in(permuted, where, "permuted")
+    num_tokens = tm.unpermute_rows(permuted, sorted_indices, restore_shape, probs, routing_map,
+                                   drop_and_pad)
     tc.check_device(permuted.device, where, f"argument 'permuted' is on {permuted.device}")
     rows, hidden = permuted.shape
-    num_tokens = tm._restore_shape(restore_shape, where, hidden)
-    tm._check_indices(sorted_indices, where, rows, num_tokens)
-    weights, _ = tm._slot_probs(where, sorted_indices, rows, num_tokens, probs, routing_map,
-                                drop_and_pad)
+    weights, _ = tm.slot_probs(where, sorted_indices, rows, num_tokens, probs, routing_map,
+                               drop_and_pad)
     device = permuted.device
     out = torch.empty((num_tokens, hidden), dtype=permuted.dtype, device=device)
     if num_tokens == 0 or hidden == 0:
@@ -240,8 +228,7 @@ def permute_backward(dpermuted, sorted_indices, num_tokens):
     """As :func:`leanstep.moe_permute_backward`: ``dtokens[t]`` = the fp32 sum
     of the rows of t's slots in increasing slot order, cast once (the
     unpermute kernel without probs)."""
-    tm._check_rows_in(dpermuted, "permute_backward", "dpermuted")
-    num_tokens = host_int(num_tokens, "permute_backward", "num_tokens")
-    if num_tokens < 0:
-        tm._fail("permute_backward", "num_tokens", f"must be >= 0 (got {num_tokens})")
+    where = "permute_backward"
+    num_tokens = host_count(num_tokens, where, "num_tokens")
+    check_moe_unpermute(dpermuted, sorted_indices, num_tokens, None, None, False, where)
     return unpermute(dpermuted, sorted_indices, (num_tokens, dpermuted.shape[1]))
