@@ -106,6 +106,11 @@ void check_unpermute_args(const Tensor& permuted, const Tensor& sorted_indices, 
 void check_permute_backward_args(const Tensor& dpermuted, const Tensor& sorted_indices, const Tensor& dtokens);
 void check_permute_probs_backward_args(const Tensor& dpermuted_probs, const Tensor& sorted_indices,
                                        const Tensor& routing_map, bool drop_and_pad, const Tensor& dprobs);
+// pad_routing_map's and sort_chunks_by_idxs' (split sizes and order: dtypes and shapes;
+// their values on the device).
+void check_pad_routing_map_args(const Tensor& routing_map, int64_t multiple, const Tensor& out);
+void check_sort_chunks_by_idxs_args(const Tensor& rows, const Tensor& split_sizes, const Tensor& sorted_idxs,
+                                    const Tensor& out, const Tensor* probs, const Tensor* out_probs);
 void check_unpermute_backward_args(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices,
                                    const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
                                    const Tensor& dpermuted, const Tensor* dprobs);

@@ -165,3 +165,20 @@ def check_moe_unpermute_backward(dout, permuted, sorted_indices, probs, routing_
     dpermuted = planned_meta(tuple(permuted.shape), _dtype_name(permuted), 0)
     dprobs = None if probs is None else planned_meta(tuple(probs.shape), _dtype_name(probs), 1)
     _leanstep.moe_check_unpermute_backward(*metas, bool(drop_and_pad), dpermuted, dprobs)
+
+
+def check_pad_routing_map(routing_map, multiple, out):
+    """pad_routing_map's rules; `out` None: a new map the backend allocates."""
+    mm, om = tensor_metas([routing_map, out])
+    if om is None:
+        om = planned_meta(tuple(routing_map.shape), "bool", 0)
+    _leanstep.moe_check_pad_routing_map(mm, multiple, om)
+
+
+def check_sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs):
+    """sort_chunks_by_idxs' rules, for outputs like rows and probs; the split
+    sizes' and order's values are the device's to check."""
+    metas = tensor_metas([rows, split_sizes, sorted_idxs, probs])
+    out = planned_meta(tuple(rows.shape), _dtype_name(rows), 0)
+    out_probs = None if probs is None else planned_meta(tuple(probs.shape), _dtype_name(probs), 1)
+    _leanstep.moe_check_sort_chunks_by_idxs(*metas[:3], out, metas[3], out_probs)

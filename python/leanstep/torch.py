@@ -13,7 +13,6 @@
 """
 
 import torch
-import torch.nn.functional as F
 
 from . import _backend, _leanstep
 from ._arrays import dtype_name as _dtype_name
@@ -451,6 +450,7 @@ def unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_map=N
 class _SortChunksFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, split_sizes, sorted_idxs, probs, backend):
+        rows, split_sizes, sorted_idxs, probs = _contiguous(rows, split_sizes, sorted_idxs, probs)
         out, out_probs = _sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs,
                                               backend=backend)
         ctx.save_for_backward(split_sizes, sorted_idxs)

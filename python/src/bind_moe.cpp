@@ -76,6 +76,26 @@ void bind_moe(nb::module_& m) {
       nb::arg("dpermuted_probs"), nb::arg("sorted_indices"), nb::arg("routing_map"), nb::arg("drop_and_pad"),
       nb::arg("dprobs"));
   m.def(
+      "moe_check_pad_routing_map",
+      [](const nb::tuple& routing_map, int64_t multiple, const nb::tuple& out) {
+        const char* w = "pad_routing_map";
+        moe::check_pad_routing_map_args(meta_tensor(routing_map, w, "routing_map"), multiple,
+                                        meta_tensor(out, w, "out"));
+      },
+      nb::arg("routing_map"), nb::arg("multiple"), nb::arg("out"));
+  m.def(
+      "moe_check_sort_chunks_by_idxs",
+      [](const nb::tuple& rows, const nb::tuple& split_sizes, const nb::tuple& sorted_idxs, const nb::tuple& out,
+         std::optional<nb::tuple> probs, std::optional<nb::tuple> out_probs) {
+        const char* w = "sort_chunks_by_idxs";
+        const auto p = meta(probs, w, "probs"), op = meta(out_probs, w, "out_probs");
+        moe::check_sort_chunks_by_idxs_args(meta_tensor(rows, w, "rows"), meta_tensor(split_sizes, w, "split_sizes"),
+                                            meta_tensor(sorted_idxs, w, "sorted_idxs"), meta_tensor(out, w, "out"),
+                                            ptr(p), ptr(op));
+      },
+      nb::arg("rows"), nb::arg("split_sizes"), nb::arg("sorted_idxs"), nb::arg("out"), nb::arg("probs").none(),
+      nb::arg("out_probs").none());
+  m.def(
       "moe_check_unpermute_backward",
       [](const nb::tuple& dout, const nb::tuple& permuted, const nb::tuple& sorted_indices,
          std::optional<nb::tuple> probs, std::optional<nb::tuple> routing_map, bool drop_and_pad,

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "core/parallel.h"
@@ -12,14 +13,69 @@
 
 namespace leanstep::moe {
 
-void pad_routing_map(const Tensor& routing_map, int64_t multiple, const Tensor& out) {
+namespace {
+
+void check_pad_layout(const Tensor& routing_map, int64_t multiple, const Tensor& out, bool host) {
   constexpr const char* where = "pad_routing_map";
-  detail::check_map(routing_map, where, "routing_map");
+  detail::check_map(routing_map, where, "routing_map", host);
   const int64_t T = routing_map.shape[0], E = routing_map.shape[1];
   LEANSTEP_CHECK_ARG(multiple >= 1, where, "multiple", fmt::format("must be >= 1 (got {})", multiple));
-  detail::check_out(out, where, "out", DType::kBool, {T, E});
+  detail::check_out(out, where, "out", DType::kBool, {T, E}, host);
   const bool in_place = out.data == routing_map.data;
   if (!in_place) detail::check_no_overlap(out, {&routing_map}, where, "out");
+}
+
+// Returns (split sizes, order) as index views.
+std::pair<detail::IndexView, detail::IndexView> check_sort_chunks_layout(const Tensor& rows, const Tensor& split_sizes,
+                                                                         const Tensor& sorted_idxs, const Tensor& out,
+                                                                         const Tensor* probs, const Tensor* out_probs,
+                                                                         bool host) {
+  constexpr const char* where = "sort_chunks_by_idxs";
+  check_tensor(rows, where, "rows");
+  if (host) check_cpu(rows, where, "rows");
+  LEANSTEP_CHECK_ARG(rows.ndim >= 1 && rows.is_contiguous(), where, "rows",
+                     fmt::format("must be a contiguous tensor with a row dim (got {})", rows.describe()));
+  const int64_t R = rows.shape[0];
+  const int64_t C = split_sizes.ndim == 1 ? split_sizes.shape[0] : -1;
+  LEANSTEP_CHECK_ARG(C >= 0, where, "split_sizes", fmt::format("must be 1-D (got {})", split_sizes.describe()));
+  const detail::IndexView sizes = detail::check_indices(split_sizes, where, "split_sizes", C, R, host);
+  const detail::IndexView order = detail::check_indices(sorted_idxs, where, "sorted_idxs", C, C, host);
+  auto check_like = [&](const Tensor& t, const Tensor& like, const char* name) {
+    check_tensor(t, where, name);
+    if (host) check_cpu(t, where, name);
+    bool same = t.dtype == like.dtype && t.ndim == like.ndim && t.is_contiguous();
+    for (int d = 0; same && d < t.ndim; ++d) same = t.shape[d] == like.shape[d];
+    LEANSTEP_CHECK_ARG(same, where, name, fmt::format("must be contiguous and match {} (got {})", like.describe(), t.describe()));
+  };
+  check_like(out, rows, "out");
+  LEANSTEP_CHECK_ARG((probs == nullptr) == (out_probs == nullptr), where, "out_probs",
+                     "must be given exactly when probs is given");
+  if (probs) {
+    check_tensor(*probs, where, "probs");
+    if (host) check_cpu(*probs, where, "probs");
+    LEANSTEP_CHECK_ARG(probs->ndim >= 1 && probs->shape[0] == R && probs->is_contiguous(), where, "probs",
+                       fmt::format("must be contiguous with R={} rows like rows (got {})", R, probs->describe()));
+    check_like(*out_probs, *probs, "out_probs");
+    detail::check_no_overlap(*out_probs, {&rows, &split_sizes, &sorted_idxs, probs, &out}, where, "out_probs");
+  }
+  detail::check_no_overlap(out, {&rows, &split_sizes, &sorted_idxs, probs}, where, "out");
+  return {sizes, order};
+}
+
+}  // namespace
+
+void check_pad_routing_map_args(const Tensor& routing_map, int64_t multiple, const Tensor& out) {
+  check_pad_layout(routing_map, multiple, out, false);
+}
+
+void check_sort_chunks_by_idxs_args(const Tensor& rows, const Tensor& split_sizes, const Tensor& sorted_idxs,
+                                    const Tensor& out, const Tensor* probs, const Tensor* out_probs) {
+  check_sort_chunks_layout(rows, split_sizes, sorted_idxs, out, probs, out_probs, false);
+}
+
+void pad_routing_map(const Tensor& routing_map, int64_t multiple, const Tensor& out) {
+  check_pad_layout(routing_map, multiple, out, true);
+  const int64_t T = routing_map.shape[0], E = routing_map.shape[1];
 
   const uint8_t* map = routing_map.data_as<const uint8_t>();
   uint8_t* result = out.data_as<uint8_t>();
@@ -48,34 +104,10 @@ void pad_routing_map(const Tensor& routing_map, int64_t multiple, const Tensor& 
 void sort_chunks_by_idxs(const Tensor& rows, const Tensor& split_sizes, const Tensor& sorted_idxs, const Tensor& out,
                          const Tensor* probs, const Tensor* out_probs) {
   constexpr const char* where = "sort_chunks_by_idxs";
-  check_tensor(rows, where, "rows");
-  check_cpu(rows, where, "rows");
-  LEANSTEP_CHECK_ARG(rows.ndim >= 1 && rows.is_contiguous(), where, "rows",
-                     fmt::format("must be a contiguous tensor with a row dim (got {})", rows.describe()));
-  const int64_t R = rows.shape[0];
-  const int64_t C = split_sizes.ndim == 1 ? split_sizes.shape[0] : -1;
-  LEANSTEP_CHECK_ARG(C >= 0, where, "split_sizes", fmt::format("must be 1-D (got {})", split_sizes.describe()));
-  const detail::IndexView sizes = detail::check_indices(split_sizes, where, "split_sizes", C, R);
-  const detail::IndexView order = detail::check_indices(sorted_idxs, where, "sorted_idxs", C, C);
-  auto check_like = [&](const Tensor& t, const Tensor& like, const char* name) {
-    check_tensor(t, where, name);
-    check_cpu(t, where, name);
-    bool same = t.dtype == like.dtype && t.ndim == like.ndim && t.is_contiguous();
-    for (int d = 0; same && d < t.ndim; ++d) same = t.shape[d] == like.shape[d];
-    LEANSTEP_CHECK_ARG(same, where, name, fmt::format("must be contiguous and match {} (got {})", like.describe(), t.describe()));
-  };
-  check_like(out, rows, "out");
-  LEANSTEP_CHECK_ARG((probs == nullptr) == (out_probs == nullptr), where, "out_probs",
-                     "must be given exactly when probs is given");
-  if (probs) {
-    check_tensor(*probs, where, "probs");
-    check_cpu(*probs, where, "probs");
-    LEANSTEP_CHECK_ARG(probs->ndim >= 1 && probs->shape[0] == R && probs->is_contiguous(), where, "probs",
-                       fmt::format("must be contiguous with R={} rows like rows (got {})", R, probs->describe()));
-    check_like(*out_probs, *probs, "out_probs");
-    detail::check_no_overlap(*out_probs, {&rows, &split_sizes, &sorted_idxs, probs, &out}, where, "out_probs");
-  }
-  detail::check_no_overlap(out, {&rows, &split_sizes, &sorted_idxs, probs}, where, "out");
+  // Not a structured binding: the lambdas below capture these (clang 14 cannot).
+  const auto checked = check_sort_chunks_layout(rows, split_sizes, sorted_idxs, out, probs, out_probs, true);
+  const detail::IndexView sizes = checked.first, order = checked.second;
+  const int64_t R = rows.shape[0], C = split_sizes.shape[0];
 
   // Source offsets of the chunks; sizes non-negative and summing within the rows.
   std::vector<int64_t> source_start(static_cast<size_t>(C) + 1, 0);

@@ -605,6 +605,19 @@ TEST(MoeErrors, MetadataChecksReadNoTensorMemory) {
   EXPECT_LEANSTEP_ERROR(moe::check_unpermute_backward_args(out, permuted, idx, nullptr, nullptr, false, dpermuted,
                                                            &dprobs),
                         "'dprobs' needs probs");
+  moe::check_pad_routing_map_args(map, 4, map);  // in place
+  moe::check_pad_routing_map_args(map, 4, view(DType::kBool, {4, 2}));
+  EXPECT_LEANSTEP_ERROR(moe::check_pad_routing_map_args(map, 0, view(DType::kBool, {4, 2})), "'multiple' must be >= 1");
+  const Tensor sizes = view(DType::kInt64, {3}), order = view(DType::kInt32, {3});
+  const Tensor chunk_probs = view(DType::kFloat32, {4}), chunk_out_probs = view(DType::kFloat32, {4});
+  moe::check_sort_chunks_by_idxs_args(tokens, sizes, order, view(DType::kFloat32, {4, 3}), &chunk_probs,
+                                      &chunk_out_probs);
+  EXPECT_LEANSTEP_ERROR(moe::check_sort_chunks_by_idxs_args(tokens, sizes, order, view(DType::kFloat32, {4, 3}),
+                                                            &chunk_probs, nullptr),
+                        "'out_probs' must be given exactly when probs is given");
+  EXPECT_LEANSTEP_ERROR(moe::check_sort_chunks_by_idxs_args(tokens, sizes, view(DType::kInt64, {2}),
+                                                            view(DType::kFloat32, {4, 3}), nullptr, nullptr),
+                        "'sorted_idxs' must have shape [3]");
   // The kernels themselves still take host memory only.
   EXPECT_LEANSTEP_ERROR(moe::permute(tokens, map, nullptr, 5, false, Method::kFused, permuted, nullptr, idx),
                         "permute: argument 'tokens' lives on cuda");

@@ -65,6 +65,7 @@ def moe_hostile_calls(torch_gen, device="cpu"):
     n = 9  # routed pairs
     permuted = torch.randn(n, h, generator=torch_gen).to(device)
     indices = torch.arange(n).remainder(t).to(device)
+    sizes, order = torch.tensor([2, 1, 3]).to(device), torch.tensor([2, 0, 1]).to(device)
     d = device
     return [
         ("tokens 1-D", lambda b: leanstep.moe_permute(tokens[:, 0].contiguous(), routing_map, backend=b),
@@ -147,4 +148,32 @@ def moe_hostile_calls(torch_gen, device="cpu"):
          lambda b: leanstep.moe_unpermute_backward(torch.randn(t, h, device=d), permuted, indices,
                                                    probs[:, :2].contiguous(), routing_map, backend=b),
          r"argument 'probs' must have shape \[6, 3\] like routing_map"),
+        ("pad_routing_map, int map",
+         lambda b: leanstep.pad_routing_map(routing_map.int(), 4, backend=b),
+         r"pad_routing_map: argument 'routing_map' must have dtype"),
+        ("pad_routing_map, multiple 0", lambda b: leanstep.pad_routing_map(routing_map, 0, backend=b),
+         r"pad_routing_map: argument 'multiple' must be >= 1 \(got 0\)"),
+        ("pad_routing_map, fractional multiple",
+         lambda b: leanstep.pad_routing_map(routing_map, 2.5, backend=b),
+         r"pad_routing_map: argument 'multiple' must be a host integer"),
+        ("pad_routing_map, out of another shape",
+         lambda b: leanstep.pad_routing_map(routing_map, 4, out=routing_map[:5], backend=b),
+         # the out= rule of the Python layer on the CPU, the kernel's on a device
+         r"pad_routing_map: argument 'out' must (be bool\[6, 3\]|have shape \[6, 3\])"),
+        ("sort_chunks, 2-D split sizes",
+         lambda b: leanstep.sort_chunks_by_idxs(tokens, sizes.view(1, 3), order, backend=b),
+         r"sort_chunks_by_idxs: argument 'split_sizes' must be 1-D"),
+        ("sort_chunks, float split sizes",
+         lambda b: leanstep.sort_chunks_by_idxs(tokens, sizes.float(), order, backend=b),
+         r"sort_chunks_by_idxs: argument 'split_sizes' must have dtype"),
+        ("sort_chunks, order of another length",
+         lambda b: leanstep.sort_chunks_by_idxs(tokens, sizes, order[:2], backend=b),
+         r"sort_chunks_by_idxs: argument 'sorted_idxs' must have shape \[3\]"),
+        ("sort_chunks, probs of other rows",
+         lambda b: leanstep.sort_chunks_by_idxs(tokens, sizes, order, probs[:5], backend=b),
+         r"sort_chunks_by_idxs: argument 'probs' must be contiguous with R=6 rows"),
+        ("sort_chunks, strided rows",
+         lambda b: leanstep.sort_chunks_by_idxs(tokens.t().contiguous().t(), sizes, order,
+                                                backend=b),
+         r"sort_chunks_by_idxs: argument 'rows' must be a contiguous tensor with a row dim"),
     ]

@@ -199,7 +199,8 @@ def test_the_kernels_refuse_what_the_cpu_path_refuses(torch_gen):
     device = DEVICE if NATIVE else "cpu"
     tried = 0
     for name, call, message in moe_hostile_calls(torch_gen, device=device):
-        if name.startswith(("permute_probs_backward", "unpermute_backward")):
+        if name.startswith(("permute_probs_backward", "unpermute_backward", "pad_routing_map",
+                            "sort_chunks")):
             continue  # no Triton kernels: the torch-op backend runs them
         with pytest.raises(leanstep.Error, match=message):
             call("triton")

@@ -29,44 +29,15 @@ which top-k routing makes k times larger.
 import torch
 import torch.nn.functional as F
 
-from .._leanstep import Error
-from .._rules import (METHODS, check_method, check_moe_permute, check_moe_permute_probs_backward,
-                      check_moe_unpermute, check_moe_unpermute_backward, host_count, host_int,
-                      restore_rows)
-_INDEX_DTYPES = (torch.int64, torch.int32)
+from .._rules import (check_method, check_moe_permute, check_moe_permute_probs_backward,
+                      check_moe_unpermute, check_moe_unpermute_backward, check_pad_routing_map,
+                      check_sort_chunks_by_idxs, host_count, host_int, restore_rows)
 
 
 # ---------------------------------------------------------------- checks
-# The rules on metadata are the C++ kernels' (leanstep._rules check_moe_*);
-# the ones here serve pad_routing_map and sort_chunks_by_idxs, and the rules
-# on values run on the device.
-
-
-def _describe(t):
-    shape = ", ".join(str(s) for s in t.shape)
-    return f"{str(t.dtype).removeprefix('torch.')}[{shape}] {t.device}"
-
-
-def _fail(where, name, rule):
-    raise Error(f"{where}: argument '{name}' {rule}")
-
-
-def _check_ndim(t, where, name, ndim):
-    if t.dim() != ndim:
-        _fail(where, name, f"must have {ndim} dims (got {_describe(t)})")
-
-
-def _check_dtype(t, where, name, dtypes):
-    if t.dtype not in dtypes:
-        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        _fail(where, name, f"must have dtype in {{{names}}} (got {_describe(t)})")
-
-
-def _check_map(routing_map, where):
-    _check_ndim(routing_map, where, "routing_map", 2)
-    _check_dtype(routing_map, where, "routing_map", (torch.bool,))
-    if routing_map.shape[1] < 1:
-        _fail(where, "routing_map", f"must have at least one expert (got {_describe(routing_map)})")
+# The rules on metadata and host arguments are the C++ kernels' (leanstep._rules
+# check_moe_*, one copy for every backend); the rules on values run here, on the
+# device (torch._assert_async).
 
 
 def _assert_indices_in_range(sorted_indices, where, num_tokens):
@@ -347,16 +318,8 @@ def pad_routing_map(routing_map, multiple, out=None):
     """As :func:`leanstep.pad_routing_map`: a new map (or `out`, which may be
     routing_map itself) where each expert's count is padded up to a multiple
     of `multiple` by switching on its first unrouted tokens in token order."""
-    where = "pad_routing_map"
-    _check_map(routing_map, where)
-    multiple = host_int(multiple, where, "multiple")
-    if multiple < 1:
-        _fail(where, "multiple", f"must be >= 1 (got {multiple})")
-    if out is not None:
-        _check_dtype(out, where, "out", (torch.bool,))
-        if out.shape != routing_map.shape:
-            _fail(where, "out", f"must have shape [{', '.join(map(str, routing_map.shape))}] "
-                                f"(got {_describe(out)})")
+    multiple = host_int(multiple, "pad_routing_map", "multiple")
+    check_pad_routing_map(routing_map, multiple, out)
     missing = torch.remainder(-routing_map.sum(0), multiple)
     unrouted = ~routing_map
     unrouted_upto = unrouted.cumsum(0)
@@ -374,18 +337,8 @@ def sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs=None):
     row in the cumulative output chunk sizes; source = row + (source start -
     output start) of that chunk; rows past the chunks map to themselves."""
     where = "sort_chunks_by_idxs"
-    if rows.dim() < 1:
-        _fail(where, "rows", f"must have a row dim (got {_describe(rows)})")
-    num_rows = rows.shape[0]
-    _check_ndim(split_sizes, where, "split_sizes", 1)
-    _check_dtype(split_sizes, where, "split_sizes", _INDEX_DTYPES)
-    num_chunks = split_sizes.shape[0]
-    _check_dtype(sorted_idxs, where, "sorted_idxs", _INDEX_DTYPES)
-    if sorted_idxs.dim() != 1 or sorted_idxs.shape[0] != num_chunks:
-        _fail(where, "sorted_idxs",
-              f"must have shape [{num_chunks}] (got {_describe(sorted_idxs)})")
-    if probs is not None and (probs.dim() < 1 or probs.shape[0] != num_rows):
-        _fail(where, "probs", f"must have R={num_rows} rows like rows (got {_describe(probs)})")
+    check_sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs)
+    num_rows, num_chunks = rows.shape[0], split_sizes.shape[0]
     device = rows.device
     sizes = split_sizes.long()
     order = sorted_idxs.long()
