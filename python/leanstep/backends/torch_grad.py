@@ -32,7 +32,7 @@ _OFFSET_MASK = (1 << _STORAGE_SPACING_BITS) - 1
 PLAN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _dtype_name(dtype):
+def dtype_name(dtype):
     return str(dtype).removeprefix("torch.")
 
 
@@ -40,7 +40,7 @@ def _has_float64(device):
     return device.type != "mps"
 
 
-class _Group:
+class ViewGroup:
     """Views with the same multiplicity (how many listed grads cover them)."""
 
     def __init__(self, multiplicity):
@@ -60,7 +60,7 @@ class TorchGradPlan:
         for i, g in enumerate(grads):
             if g.dtype not in PLAN_DTYPES:
                 raise Error(f"{where}: argument 'grads[{i}]' must be float32, float16, bfloat16 "
-                            f"or float64 (got {_dtype_name(g.dtype)})")
+                            f"or float64 (got {dtype_name(g.dtype)})")
             storage = g.untyped_storage()
             key = storage._cdata
             entry = storages.get(key)
@@ -71,21 +71,21 @@ class TorchGradPlan:
                 entry = storages[key] = (len(storages), {})
             entry[1].setdefault(g.dtype, g)
             address = ((entry[0] + 1) << _STORAGE_SPACING_BITS) + g.storage_offset() * g.element_size()
-            layout.append((address, _dtype_name(g.dtype), list(g.shape), list(g.stride())))
+            layout.append((address, dtype_name(g.dtype), list(g.shape), list(g.stride())))
         self.core = GradPlanCore.from_layout(layout)
         by_index = {index: bases for index, bases in storages.values()}
 
         groups = {}
-        for address, dtype_name, numel, multiplicity in self.core.regions:
+        for address, region_dtype, numel, multiplicity in self.core.regions:
             storage_index = (address >> _STORAGE_SPACING_BITS) - 1
-            dtype = getattr(torch, dtype_name)
+            dtype = getattr(torch, region_dtype)
             base = by_index[storage_index][dtype]
             offset_bytes = address & _OFFSET_MASK
             view = base.as_strided((numel,), (1,), offset_bytes // base.element_size())
-            groups.setdefault(multiplicity, _Group(multiplicity)).views.append(view)
+            groups.setdefault(multiplicity, ViewGroup(multiplicity)).views.append(view)
         self.generic = [grads[index] for index, _ in self.core.generic]
         if self.generic:
-            groups.setdefault(1, _Group(1)).views.extend(self.generic)
+            groups.setdefault(1, ViewGroup(1)).views.extend(self.generic)
         self.groups = [groups[m] for m in sorted(groups)]
         self.views = [v for grp in self.groups for v in grp.views]
         # Per-view weight (multiplicity) for the norm's reduction, built once.
@@ -115,12 +115,12 @@ class TorchGradPlan:
     def _check_device_scalar(self, value, arg):
         if value.numel() != 1 or value.dtype != torch.float32:
             raise Error(f"GradPlan: argument '{arg}' must be a 1-element float32 tensor "
-                        f"(got {_dtype_name(value.dtype)}{list(value.shape)})")
+                        f"(got {dtype_name(value.dtype)}{list(value.shape)})")
         if value.device != self.device:
             raise Error(f"GradPlan: argument '{arg}' must be on the grads' device "
                         f"{self.device} (got {value.device})")
 
-    def _view_norms(self, norm_type):
+    def view_norms(self, norm_type):
         dtype = self.acc_dtype
         if norm_type == float("inf") and not self.has_float64_grads:
             dtype = torch.float32  # max |x| is exact in any dtype that holds x
@@ -128,7 +128,7 @@ class TorchGradPlan:
 
     def _total(self, norm_type):
         """The total norm in the accumulation dtype, shape [1]."""
-        norms = self._view_norms(norm_type)
+        norms = self.view_norms(norm_type)
         if norm_type == float("inf"):
             return norms.amax(0, keepdim=True)  # amax propagates NaN
         if not self.weighted:
@@ -142,7 +142,7 @@ class TorchGradPlan:
         is 0 for every finite value and NaN for inf or NaN."""
         torch.maximum(found_inf, value.mul(0.0).ne(0.0), out=found_inf)
 
-    def _scale_views(self, scale):
+    def scale_views(self, scale):
         for grp in self.groups:
             for _ in range(grp.multiplicity):
                 torch._foreach_mul_(grp.views, scale)
@@ -172,7 +172,7 @@ class TorchGradPlan:
             # float64, and max |x| is finite iff every x is.
             self._flag_into(total, found_inf)
         else:
-            self._flag_into(self._view_norms(float("inf")).amax(0, keepdim=True), found_inf)
+            self._flag_into(self.view_norms(float("inf")).amax(0, keepdim=True), found_inf)
         return self._result(total, out)
 
     def unscale(self, inv_scale, found_inf):
@@ -216,12 +216,12 @@ class TorchGradPlan:
             coeff = torch.div(max_norm, norm.add(1.0e-6), out=coeff_out)
         coeff.clamp_(max=1.0)  # NaN stays NaN: the grads become NaN, never unclipped
         if self.views:
-            self._scale_views(coeff.view(()))
+            self.scale_views(coeff.view(()))
         return coeff
 
     def scale(self, scale):
         if self.views:
-            self._scale_views(self._as_device_scalar(scale, "scale"))
+            self.scale_views(self._as_device_scalar(scale, "scale"))
 
     def count_zeros(self, out):
         """Returns sum(numel - count_nonzero) as int64 [1] (into `out` if given)."""
@@ -247,12 +247,12 @@ def multi_tensor_scale(src, dst, scale, found_inf, device):
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
             raise Error(f"multi_tensor_scale: argument 'scale' must be a 1-element float32 tensor "
-                        f"on {device} (got {_dtype_name(scale.dtype)}{list(scale.shape)} on "
+                        f"on {device} (got {dtype_name(scale.dtype)}{list(scale.shape)} on "
                         f"{scale.device})")
         scale = scale.reshape(())
     else:
         scale = torch.full((), float(scale), dtype=torch.float32, device=device)
-    if _pairs_share_memory(src, dst):
+    if pairs_share_memory(src, dst):
         # As the CPU path: pairs that share memory run one after another, in
         # list order, so a later pair reads what an earlier one wrote.
         for s, d in zip(src, dst):
@@ -274,7 +274,7 @@ def _scale_pairs(src, dst, scale, found_inf):
     torch._foreach_copy_(dst, products)
 
 
-def _byte_range(t):
+def byte_range(t):
     """(storage identity, first byte, end byte) a view can touch (host metadata)."""
     if t.numel() == 0:
         return None
@@ -284,12 +284,12 @@ def _byte_range(t):
     return t.untyped_storage()._cdata, begin * es, end * es
 
 
-def _pairs_share_memory(src, dst):
+def pairs_share_memory(src, dst):
     """Whether any pair touches memory that another pair touches too."""
     spans = []
     for pair, (s, d) in enumerate(zip(src, dst)):
         for t in (s, d):
-            r = _byte_range(t)
+            r = byte_range(t)
             if r is not None:
                 spans.append((r[0], r[1], r[2], pair))
     spans.sort()

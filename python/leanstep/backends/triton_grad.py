@@ -51,7 +51,7 @@ import triton.language as tl
 
 from .._leanstep import Error
 from . import triton_common as tc
-from .torch_grad import TorchGradPlan, _Group, _byte_range, _dtype_name, _pairs_share_memory
+from .torch_grad import TorchGradPlan, ViewGroup, byte_range, dtype_name, pairs_share_memory
 from .triton_common import (
     load_f32,
     load_f64,
@@ -393,7 +393,7 @@ class TritonGradPlan:
             else:
                 slow = list(grp.views)
             if slow:
-                g = _Group(grp.multiplicity)
+                g = ViewGroup(grp.multiplicity)
                 g.views = slow
                 slow_groups.append(g)
         self.views = fast
@@ -424,7 +424,7 @@ class TritonGradPlan:
     def _check_scalar(self, value, arg, dtype=torch.float32):
         if value.numel() != 1 or value.dtype != dtype:
             raise Error(f"GradPlan: argument '{arg}' must be a 1-element "
-                        f"{_dtype_name(dtype)} tensor (got {_dtype_name(value.dtype)}"
+                        f"{dtype_name(dtype)} tensor (got {dtype_name(value.dtype)}"
                         f"{list(value.shape)})")
         if value.device != self.device:
             raise Error(f"GradPlan: argument '{arg}' must be on the grads' device "
@@ -448,7 +448,7 @@ class TritonGradPlan:
         accumulation dtype: sum of |x|^p (weighted by multiplicity) or max |x|."""
         fb = self.fallback
         p = {KIND_L2: 2.0, KIND_L1: 1.0, KIND_INF: math.inf}[kind]
-        norms = fb._view_norms(p).to(self.acc_dtype)
+        norms = fb.view_norms(p).to(self.acc_dtype)
         if kind == KIND_INF:
             value = norms.amax(0, keepdim=True)
             maxabs = norms
@@ -457,7 +457,7 @@ class TritonGradPlan:
             if fb.weighted:
                 terms = terms * fb.weights.to(self.acc_dtype)
             value = terms.sum(0, keepdim=True)
-            maxabs = fb._view_norms(math.inf) if flag_values else None
+            maxabs = fb.view_norms(math.inf) if flag_values else None
         if flag_values:
             flag = maxabs.amax(0, keepdim=True).mul(0.0).ne(0.0).to(self.acc_dtype)
         else:
@@ -546,7 +546,7 @@ class TritonGradPlan:
         else:
             self._scale(3, coeff, tc.host_f32(total_norm), tc.host_f32(max_norm), coeff)
         if self.fallback is not None:
-            self.fallback._scale_views(coeff.view(()))
+            self.fallback.scale_views(coeff.view(()))
         return coeff
 
     def scale(self, scale):
@@ -645,12 +645,12 @@ def mts_route(src, dst):
         if not (s.is_contiguous() and d.is_contiguous()):
             return f"pair {i} is strided"
         if not _same_view(s, d):
-            a, b = _byte_range(s), _byte_range(d)
+            a, b = byte_range(s), byte_range(d)
             if a[0] == b[0] and a[1] < b[2] and b[1] < a[2]:
                 return f"pair {i}'s source and destination partially overlap"
         if s.dtype not in tc.DTYPE_CODES or d.dtype not in tc.DTYPE_CODES:
             return f"pair {i} has a dtype outside fp32/fp16/bf16/fp64"
-    if _pairs_share_memory(src, dst):
+    if pairs_share_memory(src, dst):
         return "pairs share memory (they run one after another, in list order)"
     return None
 
@@ -664,7 +664,7 @@ def multi_tensor_scale(src, dst, scale, found_inf, device, *, chunk=None, block=
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
             raise Error(f"multi_tensor_scale: argument 'scale' must be a 1-element float32 tensor "
-                        f"on {device} (got {_dtype_name(scale.dtype)}{list(scale.shape)} on "
+                        f"on {device} (got {dtype_name(scale.dtype)}{list(scale.shape)} on "
                         f"{scale.device})")
     reason = mts_route(src, dst)
     if reason is not None:
