@@ -7,7 +7,8 @@ implementations (reference, fused); the Python entry points on CPU tensors
 call through it, so its preset and counts cover them. The device backends
 (``torch``) add their calls per device to the same report. The preset also
 switches the Megatron-Core patches: a patch whose op the preset disables
-calls Megatron's original.
+calls Megatron's original; and the device backends' automatic choice: a
+disabled op runs the torch-op backend, not the Triton kernels.
 
 Presets: ``"all"`` (every fast path), ``"baseline"`` (none: CPU calls run
 the reference kernels and the Megatron patches delegate), or a
@@ -87,6 +88,9 @@ def op_enabled(op):
     """Whether the preset enables `op` ("grad.norm", ...): by name or group."""
     items = _state["items"]
     return items is None or op in items or op.split(".", 1)[0] in items
+
+
+_backend.set_preset_filter(op_enabled)  # the device backends' automatic choice follows the preset
 
 
 def group_enabled(group):

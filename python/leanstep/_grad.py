@@ -129,9 +129,19 @@ class GradPlan:
         if index >= 0:
             raise _self_overlap_error(self._grads[index], f"GradPlan.{op}", f"grads[{index}]")
 
+    def _device_plan(self, op):
+        """(backend, plan) of one call on a device: the Triton plan, unless the
+        preset switches grad.<op> off (then the torch-op plan inside it: the
+        device path's reference), or the torch-op plan."""
+        if self.backend == "triton" and not _backend.preset_enables(f"grad.{op}"):
+            return "torch", self._torch_plan.torch_plan
+        return self.backend, getattr(self, "_torch_plan", None)  # None: the CPU kernels
+
     def _record(self, op, norm_type=None):
         backend, reason = self.backend, self._reason
-        if backend == "triton":  # the Triton plan says what runs the op
+        if backend == "triton" and not _backend.preset_enables(f"grad.{op}"):
+            backend, reason = "torch", f"{reason}; the preset switches grad.{op} off"
+        elif backend == "triton":  # the Triton plan says what runs the op
             backend, detail = self._torch_plan.route(op, norm_type)
             reason = f"{reason}; {detail}"
         _backend.record(f"grad.{op}", backend,
@@ -162,16 +172,18 @@ class GradPlan:
         if self.backend in ("torch", "triton"):  # given outputs: the CPU kernels' rule
             check_scalar(out, "float32", "GradPlan.norm", "out")
             check_scalar(found_inf, "float32", "GradPlan.norm", "found_inf")
-        if self.backend == "triton":  # a new found_inf is assigned by the kernel: no zero fill
-            self._record("unscale_norm" if inv_scale is not None else "norm", norm_type)
-            return self._torch_plan.norm(norm_type, None if out is None else view(out),
-                                         None if found_inf is None else view(found_inf),
-                                         None if inv_scale is None else _maybe_view(inv_scale))
+        op = "unscale_norm" if inv_scale is not None else "norm"
+        backend, plan = self._device_plan(op)
+        if backend == "triton":  # a new found_inf is assigned by the kernel: no zero fill
+            self._record(op, norm_type)
+            return plan.norm(norm_type, None if out is None else view(out),
+                             None if found_inf is None else view(found_inf),
+                             None if inv_scale is None else _maybe_view(inv_scale))
         found_inf = self._new_scalar("float32") if found_inf is None else view(found_inf)
-        self._record("unscale_norm" if inv_scale is not None else "norm")
-        if self.backend == "torch":
-            out = self._torch_plan.norm(norm_type, None if out is None else view(out), found_inf,
-                                        None if inv_scale is None else _maybe_view(inv_scale))
+        self._record(op)
+        if backend == "torch":
+            out = plan.norm(norm_type, None if out is None else view(out), found_inf,
+                            None if inv_scale is None else _maybe_view(inv_scale))
             return out, found_inf
         out = self._new_scalar("float32") if out is None else view(out)
         if inv_scale is None:
@@ -191,7 +203,7 @@ class GradPlan:
         self._record("unscale")
         if self.backend in ("torch", "triton"):
             check_scalar(found_inf, "float32", "GradPlan.unscale_", "found_inf")
-            self._torch_plan.unscale(_maybe_view(inv_scale), found_inf)
+            self._device_plan("unscale")[1].unscale(_maybe_view(inv_scale), found_inf)
             return found_inf
         if isinstance(inv_scale, numbers.Real):
             self._core.unscale(float(inv_scale), found_inf)
@@ -209,8 +221,8 @@ class GradPlan:
         self._record("clip")
         if self.backend in ("torch", "triton"):
             check_scalar(coeff_out, "float32", "GradPlan.clip_", "coeff_out")
-            return self._torch_plan.clip(_maybe_view(norm), float(max_norm),
-                                         None if coeff_out is None else view(coeff_out))
+            return self._device_plan("clip")[1].clip(
+                _maybe_view(norm), float(max_norm), None if coeff_out is None else view(coeff_out))
         coeff = self._new_scalar("float32") if coeff_out is None else view(coeff_out)
         self._core.clip(_as_scalar_array(norm, self._like, "norm"), float(max_norm), coeff)
         return coeff
@@ -234,7 +246,7 @@ class GradPlan:
         self._check_in_place("scale_")
         self._record("scale")
         if self.backend in ("torch", "triton"):
-            self._torch_plan.scale(_maybe_view(scale))
+            self._device_plan("scale")[1].scale(_maybe_view(scale))
             return
         self._core.scale(_as_scalar_array(scale, self._like, "scale"))
 
@@ -244,7 +256,8 @@ class GradPlan:
         self._record("count_zeros")
         if self.backend in ("torch", "triton"):
             check_scalar(out, "int64", "GradPlan.count_zeros", "out")
-            return self._torch_plan.count_zeros(None if out is None else view(out))
+            plan = self._device_plan("count_zeros")[1]
+            return plan.count_zeros(None if out is None else view(out))
         out = self._new_scalar("int64") if out is None else view(out)
         self._core.count_zeros(out)
         return out
@@ -315,7 +328,8 @@ def multi_tensor_scale(src_list, dst_list, scale, *, found_inf=None, backend=Non
                                                  "multi_tensor_scale",
                                                  [f"src_list[{i}]" for i in range(len(src))]
                                                  + [f"dst_list[{i}]" for i in range(len(dst))]
-                                                 + ["found_inf"] * len(flag_arg), triton="grad")
+                                                 + ["found_inf"] * len(flag_arg), triton="grad",
+                                                 op="grad.multi_tensor_scale")
     if chosen in ("torch", "triton"):
         from .backends import torch_grad
 

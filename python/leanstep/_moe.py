@@ -41,8 +41,9 @@ moe_expert_capacity = _leanstep.moe_expert_capacity
 def _choose(op, tensors, names, backend, triton=False):
     """The backend for one call (recorded with the reason): "cpu", "torch",
     or "triton" for the ops with Triton kernels (``triton=True``)."""
+    vocab_op = "moe." + op.removeprefix("moe_")  # the op vocabulary's name (moe.permute, ...)
     chosen, why = _backend.choose_with_reason(tensors, backend, op, names=names,
-                                              triton="moe" if triton else False)
+                                              triton="moe" if triton else False, op=vocab_op)
     device_type = "cpu"
     if chosen != "cpu":
         for t, name in zip(tensors, names):
@@ -50,8 +51,7 @@ def _choose(op, tensors, names, backend, triton=False):
                 raise Error(f"{op}: backend='{chosen}' needs torch tensors (argument '{name}' is "
                             f"{type(t).__name__})")
         device_type = next(t.device.type for t in tensors if t is not None)
-    # Recorded under the op vocabulary's name (moe.permute, ...).
-    _backend.record("moe." + op.removeprefix("moe_"), chosen, device_type, why)
+    _backend.record(vocab_op, chosen, device_type, why)
     return chosen
 
 

@@ -136,7 +136,7 @@ def rms_norm(x, weight, eps=1e-6, zero_centered_gamma=False, rounding="scale_the
     works there (``backend="triton"`` forces them: CPU tensors under
     TRITON_INTERPRET=1)."""
     chosen, why = _backend.choose_with_reason([x, weight], backend, "rms_norm", ["x", "weight"],
-                                              triton="rmsnorm")
+                                              triton="rmsnorm", op="rmsnorm.forward")
     _backend.record("rmsnorm.forward", chosen, x.device.type, why)
     if not x.is_contiguous():
         x = x.contiguous()
@@ -332,7 +332,8 @@ class RMSNorm(torch.nn.RMSNorm):
             return super().forward(x)
         eps = self.eps if self.eps is not None else default_eps(x.dtype)
         chosen, why = _backend.choose_with_reason([x, self.weight], self.backend, "RMSNorm",
-                                                  ["x", "weight"], triton="rmsnorm")
+                                                  ["x", "weight"], triton="rmsnorm",
+                                                  op="rmsnorm.forward")
         _backend.record("rmsnorm.forward", chosen, x.device.type, why)
         self.__dict__["last_decision"] = {"path": decision["path"], "reason": decision["reason"],
                                           "backend": chosen}

@@ -358,3 +358,44 @@ def test_moe_value_rules_run_on_the_device_for_the_torch_backend(torch_gen):
         leanstep.moe_unpermute(permuted, bad, (6, 4), probs, routing_map, backend="torch")
     out = leanstep.moe_unpermute(permuted, indices, (6, 4), probs, routing_map, backend="torch")
     assert torch.equal(out, leanstep.moe_unpermute(permuted, indices, (6, 4), probs, routing_map))
+
+
+def test_the_preset_keeps_the_automatic_device_choice_off_triton(monkeypatch):
+    # set_preset("baseline") used to stop at the CPU kernels: a cuda call still
+    # picked the Triton kernels. The automatic choice now asks the preset (the
+    # torch-op backend is the device path's reference). Triton is made "usable"
+    # for meta tensors here, so the choice itself is what is tested.
+    from leanstep import _backend
+
+    monkeypatch.setattr(_backend, "triton_unusable", lambda device: None)
+    monkeypatch.setattr(_backend, "triton_self_check", lambda family, device: None)
+    monkeypatch.delenv("LEANSTEP_TRITON", raising=False)
+    x = [torch.empty(4, 8, device="meta")]
+
+    def choice(op):
+        return _backend.choose_with_reason(x, None, "t", triton="moe", op=op)
+
+    assert choice("moe.permute")[0] == "triton"
+    leanstep.set_preset("baseline")
+    chosen, why = choice("moe.permute")
+    assert chosen == "torch" and why == "meta tensors; the preset switches moe.permute off"
+    leanstep.set_preset("moe.permute")
+    assert choice("moe.permute")[0] == "triton" and choice("moe.unpermute")[0] == "torch"
+    leanstep.set_preset("moe")
+    assert choice("moe.unpermute")[0] == "triton"
+    assert _backend.choose_with_reason(x, "triton", "t", triton="moe", op="moe.rms")[0] == "triton"
+
+    # The entry points name their op: under baseline they run the torch-op code.
+    leanstep.set_preset("baseline")
+    _backend.reset_calls()
+    tokens = torch.empty(6, 4, device="meta")
+    routing_map = torch.empty(6, 3, dtype=torch.bool, device="meta")
+    leanstep.moe_permute(tokens, routing_map, num_out_tokens=9)
+    import leanstep.torch as lt
+
+    lt.rms_norm(tokens, torch.empty(4, device="meta"), 1e-6)
+    reasons = _backend.reasons()
+    assert list(reasons["moe.permute"]["torch"]["meta"]) == [
+        "meta tensors; the preset switches moe.permute off"]
+    assert list(reasons["rmsnorm.forward"]["torch"]["meta"]) == [
+        "meta tensors; the preset switches rmsnorm.forward off"]

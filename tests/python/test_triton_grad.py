@@ -534,6 +534,38 @@ def test_automatic_selection_and_report(torch_gen, monkeypatch):
     assert "grad.norm" in leanstep.paths()["ops"]
 
 
+def test_the_preset_switches_a_triton_plan_to_the_torch_op_code(torch_gen):
+    """set_preset("baseline") reaches a plan built on Triton: each call runs
+    the torch-op plan inside it (the device path's reference), counted and
+    explained; "all" runs the kernels again. The two norms agree to 2 fp32
+    ulp: both accumulate in float64 and round once, in different orders."""
+    bufs, views = on_device(*aliased(torch_gen, torch.float32))
+    plan = leanstep.GradPlan(views, backend="triton")
+    kind = DEVICE.type
+    try:
+        _backend.reset_calls()
+        leanstep.set_preset("baseline")
+        reference, _ = plan.norm(2.0)
+        leanstep.set_preset("all")
+        fast, _ = plan.norm(2.0)
+        assert torch.allclose(fast.cpu(), reference.cpu(), rtol=2 ** -22, atol=0)
+        calls = _backend.calls()["grad.norm"]
+        assert calls["torch"][kind] == 1 and calls["triton"][kind] == 1
+        (why,) = _backend.reasons()["grad.norm"]["torch"][kind]
+        assert why.endswith("the preset switches grad.norm off")
+        leanstep.set_preset("baseline")
+        _backend.reset_calls()
+        plan.clip_(1.0, reference)
+        plan.scale_(0.5)
+        plan.unscale_(2.0)
+        plan.count_zeros()
+        calls = _backend.calls()
+        for op in ("grad.clip", "grad.scale", "grad.unscale", "grad.count_zeros"):
+            assert set(calls[op]) == {"torch"}, op
+    finally:
+        leanstep.set_preset("all")
+
+
 def test_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
     """The first-use gate of the automatic choice: it passes for the real
     kernels and names one that is off by one bit or fails to run."""
