@@ -19,16 +19,26 @@ def rms_norm(x, weight, eps, zero_centered_gamma=False, rounding="scale_then_cas
     ``impl=None`` lets the dispatch registry choose (the preset); ``"fused"``
     or ``"reference"`` (the per-element oracle) force one.
     Tensors on a device other than the CPU (or ``backend="torch"``) run the
-    torch-op backend (no host read)."""
+    torch-op backend (no host read); on cuda, xpu and npu the Triton kernels
+    when Triton runs there (as :func:`leanstep.torch.rms_norm`).
+    ``impl="reference"`` on a device: the torch-op composite."""
     x, weight = view(x), view(weight)
-    chosen = _backend.choose([x, weight, out, rstd_out], backend, "rms_norm",
-                             ["x", "weight", "out", "rstd_out"])
-    if chosen == "torch":
-        from .backends import torch_rmsnorm
+    chosen, why = _backend.choose_with_reason(
+        [x, weight, out, rstd_out], backend, "rms_norm", ["x", "weight", "out", "rstd_out"],
+        triton="rmsnorm", op="rmsnorm.forward")
+    if chosen == "triton" and impl == "reference" and backend is None:
+        chosen, why = "torch", "impl='reference': the torch-op composite"
+    if chosen in ("torch", "triton"):
+        _backend.record("rmsnorm.forward", chosen, x.device.type, why)
+        if chosen == "triton":
+            from .backends import triton_rmsnorm
 
-        _backend.record("rmsnorm.forward", "torch", x.device.type)
-        y, rstd = torch_rmsnorm.forward(x, weight, float(eps), zero_centered_gamma, rounding,
-                                        impl="composite" if impl == "reference" else None)
+            y, rstd = triton_rmsnorm.forward(x, weight, float(eps), zero_centered_gamma, rounding)
+        else:
+            from .backends import torch_rmsnorm
+
+            y, rstd = torch_rmsnorm.forward(x, weight, float(eps), zero_centered_gamma, rounding,
+                                            impl="composite" if impl == "reference" else None)
         if out is not None:
             y = result(x.shape, dtype_name(x), x, out, "rms_norm", "out").copy_(y)
         if rstd_out is not None:
@@ -52,15 +62,20 @@ def rms_norm_backward(dy, x, rstd, weight, zero_centered_gamma=False, weight_req
     or None when the weight is frozen (``weight_requires_grad=False``), in which
     case no cross-row reduction runs at all."""
     dy, x, rstd, weight = view(dy), view(x), view(rstd), view(weight)
-    chosen = _backend.choose([dy, x, rstd, weight, dx_out, dweight_out], backend,
-                             "rms_norm_backward",
-                             ["dy", "x", "rstd", "weight", "dx_out", "dweight_out"])
-    if chosen == "torch":
-        from .backends import torch_rmsnorm
-
-        _backend.record("rmsnorm.backward", "torch", x.device.type)
-        dx, dweight = torch_rmsnorm.backward(dy, x, rstd, weight, zero_centered_gamma,
-                                             weight_requires_grad)
+    chosen, why = _backend.choose_with_reason(
+        [dy, x, rstd, weight, dx_out, dweight_out], backend, "rms_norm_backward",
+        ["dy", "x", "rstd", "weight", "dx_out", "dweight_out"], triton="rmsnorm",
+        op="rmsnorm.backward")
+    if chosen == "triton" and impl == "reference" and backend is None:
+        chosen, why = "torch", "impl='reference': the torch-op composite"
+    if chosen in ("torch", "triton"):
+        _backend.record("rmsnorm.backward", chosen, x.device.type, why)
+        if chosen == "triton":
+            from .backends import triton_rmsnorm as device_rmsnorm
+        else:
+            from .backends import torch_rmsnorm as device_rmsnorm
+        dx, dweight = device_rmsnorm.backward(dy, x, rstd, weight, zero_centered_gamma,
+                                              weight_requires_grad)
         if dx_out is not None:
             dx = result(x.shape, dtype_name(x), x, dx_out, "rms_norm_backward", "dx_out").copy_(dx)
         if dweight_out is not None and dweight is not None:
