@@ -160,38 +160,23 @@ def _all_plain_cpu(tensors):
     return True
 
 
-def choose(tensors, backend, where, names=None, *, triton=False, op=None):
+def choose(tensors, backend, where, names=None, *, triton=False):
     """The backend for a call over `tensors`: "cpu" for plain CPU tensors,
     "triton" for cuda/xpu/npu tensors when the op has Triton kernels
     (``triton=<family>``) and Triton runs there, "torch" for any other device;
     `backend` forces one ("cpu" refuses non-CPU tensors)."""
-    return choose_with_reason(tensors, backend, where, names, triton=triton, op=op)[0]
+    return choose_with_reason(tensors, backend, where, names, triton=triton)[0]
 
 
-def _every_op_enabled(op):
-    return True
-
-
-_preset_enables = _every_op_enabled  # set by leanstep._dispatch, which owns the preset
-
-
-def set_preset_filter(enables):
-    """`enables(op) -> bool`: whether the preset enables an op's fast path
-    (leanstep._dispatch installs its own; this module imports nothing of it)."""
-    global _preset_enables
-    _preset_enables = enables
-
-
-def preset_enables(op):
-    return _preset_enables(op)
-
-
-def choose_with_reason(tensors, backend, where, names=None, *, triton=False, op=None):
+def choose_with_reason(tensors, backend, where, names=None, *, triton=False, op=None,
+                       enabled=True):
     """(:func:`choose`'s backend, why it was chosen). `triton`: the op's
     Triton family ("grad", "rmsnorm", "moe"), or False for an op without
-    Triton kernels. `op`: the op's name in the vocabulary ("moe.permute"):
-    a preset that switches it off keeps the automatic choice off Triton (the
-    torch-op backend is the device path's reference)."""
+    Triton kernels. `enabled`: whether the preset enables `op` (the op's
+    name in the vocabulary, "moe.permute"); a disabled op keeps the automatic
+    choice off Triton before any Triton check or self-check runs (the
+    torch-op backend is the device path's reference). leanstep._registry
+    passes both; this module knows nothing of the preset."""
     if backend is None and _all_plain_cpu(tensors):
         return "cpu", "CPU tensors"  # what the checks below conclude, without their cost
     if backend is not None and backend not in BACKENDS:
@@ -225,7 +210,7 @@ def choose_with_reason(tensors, backend, where, names=None, *, triton=False, op=
             return "torch", f"{device.type} tensors; the op has no Triton kernels"
         if not triton_automatic():
             return "torch", f"{device.type} tensors; Triton kernels switched off (LEANSTEP_TRITON)"
-        if op is not None and not _preset_enables(op):
+        if not enabled:
             return "torch", f"{device.type} tensors; the preset switches {op} off"
         why = triton_unusable(device)
         if why is None and isinstance(triton, str):

@@ -10,7 +10,9 @@ the framework of the grads; nothing is read back to the host.
 import math
 import numbers
 
-from . import _backend, _leanstep
+import numpy as np
+
+from . import _leanstep, _registry
 from ._leanstep import Error
 from ._rules import check_scalar
 from ._arrays import Native, dtype_name, is_torch, native, torch_module, view, zeros
@@ -22,8 +24,6 @@ INF = float("inf")
 
 def _scalar(dtype, like):
     if like is None:
-        import numpy as np
-
         return np.zeros(1, dtype=dtype)
     return zeros((1,), dtype, like)
 
@@ -66,24 +66,20 @@ class GradPlan:
         self._buffers = [view(b) for b in buffers]
         self._like = self._grads[0] if self._grads else like
         like_arg = [like] if not self._grads and is_torch(like) else []  # an empty list's device
-        self.backend, self._reason = _backend.choose_with_reason(
-            self._grads + self._buffers + like_arg, backend, "GradPlan",
+        self.backend, self._reason = _registry.choose_plan(
+            "grad", self._grads + self._buffers + like_arg,
             [f"grads[{i}]" for i in range(len(self._grads))]
             + [f"buffers[{i}]" for i in range(len(self._buffers))] + ["like"] * len(like_arg),
-            triton="grad")
+            backend, "GradPlan")
         self._device = None
         if self.backend in ("torch", "triton"):
-            from .backends.torch_grad import TorchGradPlan
-
             device = self._grads[0].device if self._grads else (
                 like.device if is_torch(like) else torch.device("cpu"))
             self._device = device
-            if self.backend == "triton":
-                from .backends.triton_grad import TritonGradPlan
-
-                self._torch_plan = TritonGradPlan(self._grads, device)
-            else:
-                self._torch_plan = TorchGradPlan(self._grads, device)
+            plan_module = _registry.module("grad.norm", self.backend)
+            plan_class = plan_module.TritonGradPlan if self.backend == "triton" \
+                else plan_module.TorchGradPlan
+            self._torch_plan = plan_class(self._grads, device)
             self._core = self._torch_plan.core
         else:
             self._core = Native(native.GradPlanCore(self._grads, self._buffers))
@@ -129,23 +125,25 @@ class GradPlan:
         if index >= 0:
             raise _self_overlap_error(self._grads[index], f"GradPlan.{op}", f"grads[{index}]")
 
-    def _device_plan(self, op):
-        """(backend, plan) of one call on a device: the Triton plan, unless the
-        preset switches grad.<op> off (then the torch-op plan inside it: the
-        device path's reference), or the torch-op plan."""
-        if self.backend == "triton" and not _backend.preset_enables(f"grad.{op}"):
-            return "torch", self._torch_plan.torch_plan
-        return self.backend, getattr(self, "_torch_plan", None)  # None: the CPU kernels
-
-    def _record(self, op, norm_type=None):
-        backend, reason = self.backend, self._reason
-        if backend == "triton" and not _backend.preset_enables(f"grad.{op}"):
-            backend, reason = "torch", f"{reason}; the preset switches grad.{op} off"
-        elif backend == "triton":  # the Triton plan says what runs the op
-            backend, detail = self._torch_plan.route(op, norm_type)
-            reason = f"{reason}; {detail}"
-        _backend.record(f"grad.{op}", backend,
-                        self._device.type if self._device is not None else "cpu", reason)
+    def _settle(self, op, norm_type=None):
+        """(backend, device plan) of one call of grad.<op>, counted with its
+        reason: the registry settles the plan's choice for the call (a plan
+        built on Triton runs the torch-op plan inside it when the preset
+        switches the op off or its kernels do not take the call). The device
+        plan is None for the CPU kernels."""
+        name = f"grad.{op}"
+        if self.backend == "cpu":
+            _registry.record(name, "cpu", "cpu", self._reason)
+            return "cpu", None
+        backend, why = _registry.settle(name, self.backend, self._reason,
+                                        args={"plan": self._torch_plan, "norm_type": norm_type})
+        plan = self._torch_plan
+        if backend == "triton":
+            why = f"{why}; {plan.detail()}"
+        elif self.backend == "triton":
+            plan = plan.torch_plan  # the device path's reference
+        _registry.record(name, backend, self._device.type, why)
+        return backend, plan
 
     def _new_scalar(self, dtype):
         if self.backend != "cpu":
@@ -173,14 +171,12 @@ class GradPlan:
             check_scalar(out, "float32", "GradPlan.norm", "out")
             check_scalar(found_inf, "float32", "GradPlan.norm", "found_inf")
         op = "unscale_norm" if inv_scale is not None else "norm"
-        backend, plan = self._device_plan(op)
+        backend, plan = self._settle(op, norm_type)
         if backend == "triton":  # a new found_inf is assigned by the kernel: no zero fill
-            self._record(op, norm_type)
             return plan.norm(norm_type, None if out is None else view(out),
                              None if found_inf is None else view(found_inf),
                              None if inv_scale is None else _maybe_view(inv_scale))
         found_inf = self._new_scalar("float32") if found_inf is None else view(found_inf)
-        self._record(op)
         if backend == "torch":
             out = plan.norm(norm_type, None if out is None else view(out), found_inf,
                             None if inv_scale is None else _maybe_view(inv_scale))
@@ -200,10 +196,11 @@ class GradPlan:
         unscaling is non-finite: one pass. Returns found_inf."""
         self._check_in_place("unscale_")
         found_inf = self._new_scalar("float32") if found_inf is None else view(found_inf)
-        self._record("unscale")
         if self.backend in ("torch", "triton"):
             check_scalar(found_inf, "float32", "GradPlan.unscale_", "found_inf")
-            self._device_plan("unscale")[1].unscale(_maybe_view(inv_scale), found_inf)
+        _, plan = self._settle("unscale")
+        if plan is not None:
+            plan.unscale(_maybe_view(inv_scale), found_inf)
             return found_inf
         if isinstance(inv_scale, numbers.Real):
             self._core.unscale(float(inv_scale), found_inf)
@@ -218,10 +215,11 @@ class GradPlan:
         coefficient (1-element fp32)."""
         self._check_in_place("clip_")
         _check_max_norm(max_norm, "clip")
-        self._record("clip")
         if self.backend in ("torch", "triton"):
             check_scalar(coeff_out, "float32", "GradPlan.clip_", "coeff_out")
-            return self._device_plan("clip")[1].clip(
+        _, plan = self._settle("clip")
+        if plan is not None:
+            return plan.clip(
                 _maybe_view(norm), float(max_norm), None if coeff_out is None else view(coeff_out))
         coeff = self._new_scalar("float32") if coeff_out is None else view(coeff_out)
         self._core.clip(_as_scalar_array(norm, self._like, "norm"), float(max_norm), coeff)
@@ -237,26 +235,26 @@ class GradPlan:
         out = self._new_scalar("float32")
         found_inf = self._new_scalar("float32")
         coeff = self._new_scalar("float32")
-        self._record("norm_clip")
+        self._settle("norm_clip")
         self._core.norm_clip(float(max_norm), out, float(norm_type), found_inf, coeff)
         return out, found_inf, coeff
 
     def scale_(self, scale):
         """Every grad ``*= scale`` in place (fp32 math, one rounding)."""
         self._check_in_place("scale_")
-        self._record("scale")
-        if self.backend in ("torch", "triton"):
-            self._device_plan("scale")[1].scale(_maybe_view(scale))
+        _, plan = self._settle("scale")
+        if plan is not None:
+            plan.scale(_maybe_view(scale))
             return
         self._core.scale(_as_scalar_array(scale, self._like, "scale"))
 
     def count_zeros(self, *, out=None):
         """Sum over the grads of (numel - count_nonzero), a 1-element int64 array."""
         self._check_current("count_zeros")
-        self._record("count_zeros")
         if self.backend in ("torch", "triton"):
             check_scalar(out, "int64", "GradPlan.count_zeros", "out")
-            plan = self._device_plan("count_zeros")[1]
+        _, plan = self._settle("count_zeros")
+        if plan is not None:
             return plan.count_zeros(None if out is None else view(out))
         out = self._new_scalar("int64") if out is None else view(out)
         self._core.count_zeros(out)
@@ -324,36 +322,28 @@ def multi_tensor_scale(src_list, dst_list, scale, *, found_inf=None, backend=Non
     _check_writable(dst, "multi_tensor_scale", "dst_list")
     like = src[0] if src else (dst[0] if dst else None)
     flag_arg = [view(found_inf)] if not src and found_inf is not None else []  # empty lists
-    chosen, reason = _backend.choose_with_reason(src + dst + flag_arg, backend,
-                                                 "multi_tensor_scale",
-                                                 [f"src_list[{i}]" for i in range(len(src))]
-                                                 + [f"dst_list[{i}]" for i in range(len(dst))]
-                                                 + ["found_inf"] * len(flag_arg), triton="grad",
-                                                 op="grad.multi_tensor_scale")
-    if chosen in ("torch", "triton"):
-        from .backends import torch_grad
-
-        torch = torch_module()
-        device = like.device if like is not None else (
-            found_inf.device if is_torch(found_inf) else torch.device("cpu"))
+    tensors = src + dst + flag_arg
+    names = ([f"src_list[{i}]" for i in range(len(src))]
+             + [f"dst_list[{i}]" for i in range(len(dst))] + ["found_inf"] * len(flag_arg))
+    route = _registry.route("grad.multi_tensor_scale", tensors, names, backend,
+                            "multi_tensor_scale", args={"src": src, "dst": dst})
+    if route.module is not None:
         for i, (s, d) in enumerate(zip(src, dst)):
             if s.shape != d.shape:
                 raise Error(f"multi_tensor_scale: argument 'dst_list[{i}]' must have the shape of "
                             f"src_list[{i}] (got {list(d.shape)} and {list(s.shape)})")
+        torch = torch_module()
+        device = like.device if like is not None else (
+            found_inf.device if is_torch(found_inf) else torch.device("cpu"))
         found_inf = torch.zeros(1, dtype=torch.float32, device=device) if found_inf is None \
             else view(found_inf)
-        if chosen == "triton":  # one launch, or the torch-op code with the reason why
-            from .backends import triton_grad
-
-            why = triton_grad.multi_tensor_scale(src, dst, _maybe_view(scale), found_inf, device)
-            _backend.record("grad.multi_tensor_scale", "torch" if why else "triton", device.type,
-                            f"{reason}; {why}" if why else reason)
-            return found_inf
-        _backend.record("grad.multi_tensor_scale", "torch", device.type, reason)
-        torch_grad.multi_tensor_scale(src, dst, _maybe_view(scale), found_inf, device)
+        if route.backend == "triton":  # every pair in one launch
+            route.module.multi_tensor_scale(src, dst, _maybe_view(scale), found_inf, device,
+                                            supported=True)
+        else:
+            route.module.multi_tensor_scale(src, dst, _maybe_view(scale), found_inf, device)
         return found_inf
     found_inf = _scalar("float32", like) if found_inf is None else view(found_inf)
-    _backend.record("grad.multi_tensor_scale", "cpu", "cpu")
     if isinstance(scale, numbers.Real):
         # Not through `native`: the array overload, tried first, would use up the
         # lists' capsules before it refuses the float.
@@ -403,12 +393,10 @@ def ddp_grad_buffers(params, framework="torch", *, device="cpu", **layout_option
     for layout in layouts:
         dtype = layout["grad_dtype"]
         if framework == "torch":
-            import torch
+            import torch  # optional: asked for by name
 
             buf = torch.zeros(layout["numel"], dtype=getattr(torch, dtype), device=device)
         else:
-            import numpy as np
-
             buf = np.zeros(layout["numel"], dtype=dtype)
         buffers.append(buf)
         for slot in layout["params"]:

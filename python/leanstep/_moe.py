@@ -18,7 +18,7 @@ forces the torch-op backend on CPU tensors, "triton" the Triton kernels
 (CPU tensors: under TRITON_INTERPRET=1, tests).
 """
 
-from . import _backend, _leanstep
+from . import _leanstep, _registry
 from ._arrays import dtype_name, empty, is_torch, native, opt_view, result, view
 from ._leanstep import Error
 from ._rules import host_count, host_int, restore_rows
@@ -38,43 +38,16 @@ __all__ = [
 moe_expert_capacity = _leanstep.moe_expert_capacity
 
 
-def _choose(op, tensors, names, backend, triton=False):
-    """The backend for one call (recorded with the reason): "cpu", "torch",
-    or "triton" for the ops with Triton kernels (``triton=True``)."""
-    vocab_op = "moe." + op.removeprefix("moe_")  # the op vocabulary's name (moe.permute, ...)
-    chosen, why = _backend.choose_with_reason(tensors, backend, op, names=names,
-                                              triton="moe" if triton else False, op=vocab_op)
-    device_type = "cpu"
-    if chosen != "cpu":
-        for t, name in zip(tensors, names):
-            if t is not None and not is_torch(t):
-                raise Error(f"{op}: backend='{chosen}' needs torch tensors (argument '{name}' is "
-                            f"{type(t).__name__})")
-        device_type = next(t.device.type for t in tensors if t is not None)
-    _backend.record(vocab_op, chosen, device_type, why)
-    return chosen
-
-
-def _device_moe(chosen):
-    """The device backend's MoE module: the Triton kernels or the torch ops
-    (the same functions and arguments)."""
-    if chosen == "triton":
-        from .backends import triton_moe
-
-        return triton_moe
-    return _torch_moe()
+def _route(op, tensors, names, backend, where):
+    """What runs one call (the registry chooses, counts and explains): a
+    Route whose module is the device backend's (None: the C++ kernels)."""
+    return _registry.route(op, tensors, names, backend, where)
 
 
 def _cpu_method(method):
     """None: the dispatch registry chooses (preset, guards, counted in
     leanstep.paths()); "sort" / "fused" force one (tests, benchmarks)."""
     return "auto" if method is None else method
-
-
-def _torch_moe():
-    from .backends import torch_moe
-
-    return torch_moe
 
 
 def _check_method(method, where):
@@ -105,11 +78,11 @@ def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_p
     ``num_out_tokens`` (extra rows are zero with index -1; fewer than routed is
     an error); with ``drop_and_pad`` N = num_out_tokens = E * capacity."""
     tokens, routing_map, probs = view(tokens), view(routing_map), opt_view(probs)
-    chosen = _choose("moe_permute", [tokens, routing_map, probs],
-                     ["tokens", "routing_map", "probs"], backend, triton=True)
-    if chosen != "cpu":
-        return _device_moe(chosen).permute(tokens, routing_map, probs, num_out_tokens,
-                                           drop_and_pad, (method or "fused"))
+    route = _route("moe.permute", [tokens, routing_map, probs],
+                   ["tokens", "routing_map", "probs"], backend, "moe_permute")
+    if route.module is not None:
+        return route.module.permute(tokens, routing_map, probs, num_out_tokens, drop_and_pad,
+                                    (method or "fused"))
     if num_out_tokens is not None:
         num_out_tokens = host_int(num_out_tokens, "permute", "num_out_tokens")
     rows = native.moe_permute_output_rows(routing_map, num_out_tokens, drop_and_pad)
@@ -129,14 +102,13 @@ def moe_unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_m
     (Megatron-Core's form)."""
     permuted, sorted_indices = view(permuted), view(sorted_indices)
     probs, routing_map = opt_view(probs), opt_view(routing_map)
-    chosen = _choose("moe_unpermute", [permuted, sorted_indices, probs, routing_map, out],
-                     ["permuted", "sorted_indices", "probs", "routing_map", "out"], backend,
-                     triton=True)
-    if chosen != "cpu":
+    route = _route("moe.unpermute", [permuted, sorted_indices, probs, routing_map, out],
+                   ["permuted", "sorted_indices", "probs", "routing_map", "out"], backend,
+                   "moe_unpermute")
+    if route.module is not None:
         _check_method(method, "unpermute")
-        return _into(out, _device_moe(chosen).unpermute(permuted, sorted_indices, restore_shape,
-                                                        probs, routing_map, drop_and_pad),
-                     "moe_unpermute")
+        return _into(out, route.module.unpermute(permuted, sorted_indices, restore_shape, probs,
+                                                 routing_map, drop_and_pad), "moe_unpermute")
     hidden = permuted.shape[1] if len(permuted.shape) == 2 else None
     shape = (tuple(restore_shape) if hidden is None  # the C++ check names permuted's rank
              else (restore_rows(restore_shape, "unpermute", hidden), hidden))
@@ -149,11 +121,11 @@ def moe_unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_m
 def moe_permute_backward(dpermuted, sorted_indices, num_tokens, method=None, *, backend=None):
     """Gradient of permute w.r.t. tokens: ``[num_tokens, H]`` in dpermuted's dtype."""
     dpermuted, sorted_indices = view(dpermuted), view(sorted_indices)
-    chosen = _choose("moe_permute_backward", [dpermuted, sorted_indices],
-                     ["dpermuted", "sorted_indices"], backend, triton=True)
-    if chosen != "cpu":
+    route = _route("moe.permute_backward", [dpermuted, sorted_indices],
+                   ["dpermuted", "sorted_indices"], backend, "moe_permute_backward")
+    if route.module is not None:
         _check_method(method, "permute_backward")
-        return _device_moe(chosen).permute_backward(dpermuted, sorted_indices, num_tokens)
+        return route.module.permute_backward(dpermuted, sorted_indices, num_tokens)
     num_tokens = host_count(num_tokens, "permute_backward", "num_tokens")
     dtokens = empty((num_tokens, dpermuted.shape[-1]), dtype_name(dpermuted), dpermuted)
     native.moe_permute_backward(dpermuted, sorted_indices, dtokens, _cpu_method(method))
@@ -166,9 +138,11 @@ def moe_permute_probs_backward(dpermuted_probs, sorted_indices, routing_map, dro
     (token, expert) entries."""
     dpermuted_probs, sorted_indices = view(dpermuted_probs), view(sorted_indices)
     routing_map = view(routing_map)
-    if _choose("moe_permute_probs_backward", [dpermuted_probs, sorted_indices, routing_map],
-               ["dpermuted_probs", "sorted_indices", "routing_map"], backend) == "torch":
-        return _torch_moe().permute_probs_backward(dpermuted_probs, sorted_indices, routing_map,
+    route = _route("moe.permute_probs_backward", [dpermuted_probs, sorted_indices, routing_map],
+                   ["dpermuted_probs", "sorted_indices", "routing_map"], backend,
+                   "moe_permute_probs_backward")
+    if route.module is not None:
+        return route.module.permute_probs_backward(dpermuted_probs, sorted_indices, routing_map,
                                                    drop_and_pad)
     dprobs = empty(tuple(routing_map.shape), dtype_name(dpermuted_probs), dpermuted_probs)
     native.moe_permute_probs_backward(dpermuted_probs, sorted_indices, routing_map,
@@ -182,10 +156,12 @@ def moe_unpermute_backward(dout, permuted, sorted_indices, probs=None, routing_m
     like probs otherwise."""
     dout, permuted, sorted_indices = view(dout), view(permuted), view(sorted_indices)
     probs, routing_map = opt_view(probs), opt_view(routing_map)
-    if _choose("moe_unpermute_backward", [dout, permuted, sorted_indices, probs, routing_map],
-               ["dout", "permuted", "sorted_indices", "probs", "routing_map"], backend) == "torch":
+    route = _route("moe.unpermute_backward", [dout, permuted, sorted_indices, probs, routing_map],
+                   ["dout", "permuted", "sorted_indices", "probs", "routing_map"], backend,
+                   "moe_unpermute_backward")
+    if route.module is not None:
         _check_method(method, "unpermute_backward")
-        return _torch_moe().unpermute_backward(dout, permuted, sorted_indices, probs, routing_map,
+        return route.module.unpermute_backward(dout, permuted, sorted_indices, probs, routing_map,
                                                drop_and_pad)
     dpermuted = empty(tuple(permuted.shape), dtype_name(permuted), permuted)
     dprobs = None if probs is None else empty(tuple(probs.shape), dtype_name(probs), probs)
@@ -202,12 +178,13 @@ def moe_route(logits, topk, score_function="softmax", pre_softmax=False, normali
     int64 ``[E]`` (counted before capacity dropping). CPU only: there is no
     torch-op routing yet, so device tensors (or backend="torch") are an error."""
     logits, expert_bias = view(logits), opt_view(expert_bias)
-    if _backend.choose([logits, expert_bias], backend, "moe_route",
-                       names=["logits", "expert_bias"]) == "torch":
+    chosen, _ = _registry.choose("moe.route", [logits, expert_bias], ["logits", "expert_bias"],
+                                 backend, "moe_route")
+    if chosen != "cpu":
         device = logits.device if is_torch(logits) else "cpu"
         raise Error(f"moe_route: argument 'logits' must be a CPU tensor: routing has no torch-op "
                     f"backend (got logits on {device}, backend={backend!r})")
-    _backend.record("moe.route", "cpu", "cpu")
+    _registry.record("moe.route", "cpu", "cpu", "CPU tensors")
     num_tokens, num_experts = (int(s) for s in logits.shape)
     routing_map = empty((num_tokens, num_experts), "bool", logits)
     probs = empty((num_tokens, num_experts), "float32", logits)
@@ -226,8 +203,10 @@ def pad_routing_map(routing_map, multiple, *, out=None, backend=None):
     is not mutated unless ``out=routing_map`` is passed (unlike Megatron-Core's
     pad_routing_map, which mutates its argument through a transposed view)."""
     routing_map = view(routing_map)
-    if _choose("pad_routing_map", [routing_map, out], ["routing_map", "out"], backend) == "torch":
-        return _torch_moe().pad_routing_map(routing_map, multiple, out)
+    route = _route("moe.pad_routing_map", [routing_map, out], ["routing_map", "out"], backend,
+                   "pad_routing_map")
+    if route.module is not None:
+        return route.module.pad_routing_map(routing_map, multiple, out)
     out = result(tuple(routing_map.shape), dtype_name(routing_map), routing_map, out,
                  "pad_routing_map", "out")
     native.moe_pad_routing_map(routing_map, host_int(multiple, "pad_routing_map", "multiple"), out)
@@ -241,9 +220,10 @@ def sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs=None, *, backend=N
     On a device, split_sizes and sorted_idxs are device tensors too."""
     rows, split_sizes, sorted_idxs, probs = (view(rows), view(split_sizes), view(sorted_idxs),
                                              opt_view(probs))
-    if _choose("sort_chunks_by_idxs", [rows, split_sizes, sorted_idxs, probs],
-               ["rows", "split_sizes", "sorted_idxs", "probs"], backend) == "torch":
-        return _torch_moe().sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs)
+    route = _route("moe.sort_chunks_by_idxs", [rows, split_sizes, sorted_idxs, probs],
+                   ["rows", "split_sizes", "sorted_idxs", "probs"], backend, "sort_chunks_by_idxs")
+    if route.module is not None:
+        return route.module.sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs)
     out = empty(tuple(rows.shape), dtype_name(rows), rows)
     out_probs = None if probs is None else empty(tuple(probs.shape), dtype_name(probs), probs)
     native.moe_sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, out, probs, out_probs)

@@ -6,7 +6,7 @@
     g    = weight, or 1 + weight with zero_centered_gamma
 """
 
-from . import _backend
+from . import _registry
 from ._arrays import dtype_name, native, result, view
 
 __all__ = ["rms_norm", "rms_norm_backward"]
@@ -23,22 +23,15 @@ def rms_norm(x, weight, eps, zero_centered_gamma=False, rounding="scale_then_cas
     when Triton runs there (as :func:`leanstep.torch.rms_norm`).
     ``impl="reference"`` on a device: the torch-op composite."""
     x, weight = view(x), view(weight)
-    chosen, why = _backend.choose_with_reason(
-        [x, weight, out, rstd_out], backend, "rms_norm", ["x", "weight", "out", "rstd_out"],
-        triton="rmsnorm", op="rmsnorm.forward")
-    if chosen == "triton" and impl == "reference" and backend is None:
-        chosen, why = "torch", "impl='reference': the torch-op composite"
-    if chosen in ("torch", "triton"):
-        _backend.record("rmsnorm.forward", chosen, x.device.type, why)
-        if chosen == "triton":
-            from .backends import triton_rmsnorm
-
-            y, rstd = triton_rmsnorm.forward(x, weight, float(eps), zero_centered_gamma, rounding)
-        else:
-            from .backends import torch_rmsnorm
-
-            y, rstd = torch_rmsnorm.forward(x, weight, float(eps), zero_centered_gamma, rounding,
-                                            impl="composite" if impl == "reference" else None)
+    route = _registry.route("rmsnorm.forward", [x, weight, out, rstd_out],
+                            ["x", "weight", "out", "rstd_out"], backend, "rms_norm",
+                            reference=impl == "reference")
+    if route.backend == "triton":
+        y, rstd = route.module.forward(x, weight, float(eps), zero_centered_gamma, rounding)
+    elif route.backend == "torch":
+        y, rstd = route.module.forward(x, weight, float(eps), zero_centered_gamma, rounding,
+                                       impl="composite" if impl == "reference" else None)
+    if route.module is not None:
         if out is not None:
             y = result(x.shape, dtype_name(x), x, out, "rms_norm", "out").copy_(y)
         if rstd_out is not None:
@@ -46,7 +39,6 @@ def rms_norm(x, weight, eps, zero_centered_gamma=False, rounding="scale_then_cas
         return y, rstd
     y = result(x.shape, dtype_name(x), x, out, "rms_norm", "out")
     rstd = result(x.shape[:-1], "float32", x, rstd_out, "rms_norm", "rstd_out")
-    _backend.record("rmsnorm.forward", "cpu", "cpu")
     if impl is None:  # the dispatch registry chooses (preset, guards, counts)
         native.rmsnorm_forward_routed(x, weight, y, rstd, float(eps), zero_centered_gamma,
                                       rounding, weight_requires_grad=False)
@@ -62,27 +54,18 @@ def rms_norm_backward(dy, x, rstd, weight, zero_centered_gamma=False, weight_req
     or None when the weight is frozen (``weight_requires_grad=False``), in which
     case no cross-row reduction runs at all."""
     dy, x, rstd, weight = view(dy), view(x), view(rstd), view(weight)
-    chosen, why = _backend.choose_with_reason(
-        [dy, x, rstd, weight, dx_out, dweight_out], backend, "rms_norm_backward",
-        ["dy", "x", "rstd", "weight", "dx_out", "dweight_out"], triton="rmsnorm",
-        op="rmsnorm.backward")
-    if chosen == "triton" and impl == "reference" and backend is None:
-        chosen, why = "torch", "impl='reference': the torch-op composite"
-    if chosen in ("torch", "triton"):
-        _backend.record("rmsnorm.backward", chosen, x.device.type, why)
-        if chosen == "triton":
-            from .backends import triton_rmsnorm as device_rmsnorm
-        else:
-            from .backends import torch_rmsnorm as device_rmsnorm
-        dx, dweight = device_rmsnorm.backward(dy, x, rstd, weight, zero_centered_gamma,
-                                              weight_requires_grad)
+    route = _registry.route("rmsnorm.backward", [dy, x, rstd, weight, dx_out, dweight_out],
+                            ["dy", "x", "rstd", "weight", "dx_out", "dweight_out"], backend,
+                            "rms_norm_backward", reference=impl == "reference")
+    if route.module is not None:
+        dx, dweight = route.module.backward(dy, x, rstd, weight, zero_centered_gamma,
+                                            weight_requires_grad)
         if dx_out is not None:
             dx = result(x.shape, dtype_name(x), x, dx_out, "rms_norm_backward", "dx_out").copy_(dx)
         if dweight_out is not None and dweight is not None:
             dweight = result(weight.shape, dtype_name(weight), weight, dweight_out,
                              "rms_norm_backward", "dweight_out").copy_(dweight)
         return dx, dweight
-    _backend.record("rmsnorm.backward", "cpu", "cpu")
     dx = result(x.shape, dtype_name(x), x, dx_out, "rms_norm_backward", "dx_out")
     dweight = None
     if weight_requires_grad:

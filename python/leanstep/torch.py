@@ -14,10 +14,11 @@
 
 import torch
 
-from . import _backend, _leanstep
+from . import _leanstep, _registry
 from ._arrays import dtype_name as _dtype_name
 from ._arrays import empty as _empty
 from ._arrays import native as _native
+from .backends import torch_rmsnorm
 
 if "moe" in _leanstep.areas:
     from ._moe import (
@@ -83,15 +84,11 @@ class _ExactForwardFrozenRMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         dy = dy if dy.is_contiguous() else dy.contiguous()
         if ctx.backend == "torch":
-            from .backends import torch_rmsnorm
-
             impl = "fused" if torch_rmsnorm.fused_available(x.device.type) else "composite"
             dx = torch_rmsnorm.backward_dx(dy, x, rstd, weight, False, impl)
         elif ctx.backend == "triton":
-            from .backends import triton_rmsnorm
-
-            _backend.record("rmsnorm.backward", "triton", x.device.type, "frozen: dx only")
-            dx = triton_rmsnorm.backward_dx(dy, x, rstd, weight)
+            _registry.record("rmsnorm.backward", "triton", x.device.type, "frozen: dx only")
+            dx = _registry.module("rmsnorm.backward", "triton").backward_dx(dy, x, rstd, weight)
         else:
             dx = _fresh_like(x)
             context = dict(ctx.context, weight_requires_grad=False)
@@ -105,7 +102,7 @@ _decisions = {}  # rmsnorm_decide is a pure function of the call's features: ask
 
 
 def _count_triton_backward(device_type, reason):
-    _backend.record("rmsnorm.backward", "triton", device_type, reason)
+    _registry.record("rmsnorm.backward", "triton", device_type, reason)
 
 
 def _decide(context):
@@ -135,18 +132,14 @@ def rms_norm(x, weight, eps=1e-6, zero_centered_gamma=False, rounding="scale_the
     value on the host; on cuda, xpu and npu the Triton kernels run when Triton
     works there (``backend="triton"`` forces them: CPU tensors under
     TRITON_INTERPRET=1)."""
-    chosen, why = _backend.choose_with_reason([x, weight], backend, "rms_norm", ["x", "weight"],
-                                              triton="rmsnorm", op="rmsnorm.forward")
-    _backend.record("rmsnorm.forward", chosen, x.device.type, why)
+    route = _registry.route("rmsnorm.forward", [x, weight], ["x", "weight"], backend, "rms_norm")
     if not x.is_contiguous():
         x = x.contiguous()
-    if chosen == "torch":
+    if route.backend == "torch":
         return _torch_rms_norm(x, weight, float(eps), zero_centered_gamma, rounding)
-    if chosen == "triton":
-        from .backends import triton_rmsnorm
-
-        return triton_rmsnorm.rms_norm(x, weight, float(eps), zero_centered_gamma, rounding,
-                                       _count_triton_backward)
+    if route.backend == "triton":
+        return route.module.rms_norm(x, weight, float(eps), zero_centered_gamma, rounding,
+                                     _count_triton_backward)
     wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     context = dict(_no_features(), weight_requires_grad=bool(
         torch.is_grad_enabled() and weight.requires_grad))
@@ -162,8 +155,6 @@ def rms_norm(x, weight, eps=1e-6, zero_centered_gamma=False, rounding="scale_the
 def _torch_rms_norm(x, weight, eps, zero_centered_gamma, rounding):
     """The device path: frozen weight -> dx-only autograd function; a
     trainable weight -> the same formula in torch ops under autograd."""
-    from .backends import torch_rmsnorm
-
     if torch.is_grad_enabled() and weight.requires_grad:
         return torch_rmsnorm.forward(x, weight, eps, zero_centered_gamma, rounding,
                                      impl="composite")[0]
@@ -331,10 +322,9 @@ class RMSNorm(torch.nn.RMSNorm):
             self.__dict__["last_decision"] = {"path": "torch", "reason": decision["explain"]}
             return super().forward(x)
         eps = self.eps if self.eps is not None else default_eps(x.dtype)
-        chosen, why = _backend.choose_with_reason([x, self.weight], self.backend, "RMSNorm",
-                                                  ["x", "weight"], triton="rmsnorm",
-                                                  op="rmsnorm.forward")
-        _backend.record("rmsnorm.forward", chosen, x.device.type, why)
+        route = _registry.route("rmsnorm.forward", [x, self.weight], ["x", "weight"],
+                                self.backend, "RMSNorm")
+        chosen = route.backend
         self.__dict__["last_decision"] = {"path": decision["path"], "reason": decision["reason"],
                                           "backend": chosen}
         if not x.is_contiguous():
@@ -350,10 +340,8 @@ class RMSNorm(torch.nn.RMSNorm):
             return _torch_rms_norm(x, self.weight, float(eps), self.zero_centered_gamma,
                                    self.rounding)
         if chosen == "triton":
-            from .backends import triton_rmsnorm
-
-            return triton_rmsnorm.rms_norm(x, self.weight, float(eps), self.zero_centered_gamma,
-                                           self.rounding, _count_triton_backward)
+            return route.module.rms_norm(x, self.weight, float(eps), self.zero_centered_gamma,
+                                         self.rounding, _count_triton_backward)
         if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             y = _fresh_like(x)
             rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
@@ -365,12 +353,6 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 # ---------------------------------------------------------------- MoE
-
-
-def _without_triton(backend):
-    """The backend for a backward op that has no Triton kernels, when the
-    forward was forced to Triton: the torch-op backend (the same numerics)."""
-    return "torch" if backend == "triton" else backend
 
 
 def _contiguous(*tensors):
@@ -402,7 +384,7 @@ class _PermuteFunction(torch.autograd.Function):
         if ctx.needs_input_grad[2] and dpermuted_probs is not None:
             dprobs = moe_permute_probs_backward(dpermuted_probs.contiguous(), sorted_indices,
                                                 routing_map, ctx.drop_and_pad,
-                                                backend=_without_triton(ctx.backend))
+                                                backend=_registry.without_triton("moe.permute_probs_backward", ctx.backend))
         return dtokens, None, dprobs, None, None, None, None
 
 
@@ -435,7 +417,7 @@ class _UnpermuteFunction(torch.autograd.Function):
         need_probs = probs is not None and ctx.needs_input_grad[3]
         dpermuted, dprobs = moe_unpermute_backward(
             dout.contiguous(), permuted, sorted_indices, probs, routing_map, ctx.drop_and_pad,
-            ctx.method, backend=_without_triton(ctx.backend))
+            ctx.method, backend=_registry.without_triton("moe.unpermute_backward", ctx.backend))
         return (dpermuted if ctx.needs_input_grad[0] else None, None, None,
                 dprobs if need_probs else None, None, None, None, None)
 

@@ -102,13 +102,13 @@ def test_the_cpp_op_table_and_the_python_backends_agree():
     backends for `leanstep paths`; the Python package is what implements them."""
     import json
 
-    from leanstep.backends import IMPLEMENTATIONS
+    from leanstep._registry import REGISTRY
 
     table = json.loads(leanstep._leanstep.dispatch_paths_json())["ops"]
     assert table, "no ops in the C++ registry"
     for op in table:
-        declared = set(op["backends"]) - {"cpu"}
-        implemented = {backend for backend, ops in IMPLEMENTATIONS.items() if op["op"] in ops}
+        declared = set(op["backends"])
+        implemented = set(REGISTRY[op["op"]].implementations)
         assert declared == implemented, op["op"]
         assert op["backends"]["cpu"][0] == op["reference"]
 
@@ -138,28 +138,39 @@ def _entry(path):
     return obj
 
 
-def test_every_op_of_the_table_has_a_python_entry_and_back():
-    from leanstep import _dispatch
+def test_every_op_of_the_table_has_a_registry_entry_and_back():
+    from leanstep._registry import REGISTRY
 
     table = leanstep.ops()
     assert list(table) == [name for name, _ in leanstep._leanstep.dispatch_op_table()]
-    assert set(_dispatch.ENTRY_POINTS) == set(table), (
-        "ops without a Python entry point: "
-        f"{sorted(set(table) - set(_dispatch.ENTRY_POINTS))}; entry points without a row: "
-        f"{sorted(set(_dispatch.ENTRY_POINTS) - set(table))}")
-    for op, path in _dispatch.ENTRY_POINTS.items():
-        assert callable(_entry(path)), (op, path)
+    assert set(REGISTRY) == set(table), (
+        f"ops without a registry entry: {sorted(set(table) - set(REGISTRY))}; entries without "
+        f"a row: {sorted(set(REGISTRY) - set(table))}")
+    for op, spec in REGISTRY.items():
+        assert callable(_entry(spec.entry)), (op, spec.entry)
+        assert leanstep.paths()["ops"][op]["entry"] == spec.entry
     # The report covers exactly the vocabulary (nothing reported outside it).
     assert set(leanstep.paths()["ops"]) == set(table)
 
 
 def test_the_device_backends_implement_what_the_table_says():
-    from leanstep.backends import IMPLEMENTATIONS
+    import importlib
+
+    from leanstep._registry import REGISTRY
 
     table = leanstep.ops()
-    for backend, implemented in IMPLEMENTATIONS.items():
-        declared = {op for op, backends in table.items() if backend in backends}
-        assert set(implemented) == declared, backend
+    for op, backends in table.items():
+        spec = REGISTRY[op]
+        assert spec.backends == backends, op  # the same backends, in the same order
+        for backend, impl in spec.implementations.items():
+            assert impl.how, (op, backend)
+            if backend == "triton" or impl.module is None:
+                continue  # Triton modules import triton (test_triton_*.py load them)
+            name = op.split(".", 1)[1]
+            device = importlib.import_module(impl.module)
+            assert impl.module.startswith("leanstep.backends."), (op, backend)
+            assert any(hasattr(device, n) for n in (name, name.removeprefix("moe_"),
+                                                    "TorchGradPlan", "forward")), (op, backend)
     assert all(backends[0] == "cpu" for backends in table.values())
 
 
@@ -365,15 +376,15 @@ def test_the_preset_keeps_the_automatic_device_choice_off_triton(monkeypatch):
     # picked the Triton kernels. The automatic choice now asks the preset (the
     # torch-op backend is the device path's reference). Triton is made "usable"
     # for meta tensors here, so the choice itself is what is tested.
-    from leanstep import _backend
+    from leanstep import _backend, _registry
 
     monkeypatch.setattr(_backend, "triton_unusable", lambda device: None)
     monkeypatch.setattr(_backend, "triton_self_check", lambda family, device: None)
     monkeypatch.delenv("LEANSTEP_TRITON", raising=False)
     x = [torch.empty(4, 8, device="meta")]
 
-    def choice(op):
-        return _backend.choose_with_reason(x, None, "t", triton="moe", op=op)
+    def choice(op, backend=None):
+        return _registry.choose(op, x, None, backend, "t")
 
     assert choice("moe.permute")[0] == "triton"
     leanstep.set_preset("baseline")
@@ -383,7 +394,12 @@ def test_the_preset_keeps_the_automatic_device_choice_off_triton(monkeypatch):
     assert choice("moe.permute")[0] == "triton" and choice("moe.unpermute")[0] == "torch"
     leanstep.set_preset("moe")
     assert choice("moe.unpermute")[0] == "triton"
-    assert _backend.choose_with_reason(x, "triton", "t", triton="moe", op="moe.rms")[0] == "triton"
+    assert choice("moe.permute", "triton") == ("triton", "forced")
+    # A forced Triton backend follows the preset too (its reference is the torch-op code),
+    # as the CPU kernels follow it when no impl= is forced.
+    leanstep.set_preset("grad")
+    assert choice("moe.permute", "triton") == (
+        "torch", "forced; the preset switches moe.permute off")
 
     # The entry points name their op: under baseline they run the torch-op code.
     leanstep.set_preset("baseline")

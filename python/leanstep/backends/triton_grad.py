@@ -51,6 +51,7 @@ import triton.language as tl
 
 from .._leanstep import Error
 from . import triton_common as tc
+from . import torch_grad
 from .torch_grad import TorchGradPlan, ViewGroup, byte_range, dtype_name, pairs_share_memory
 from .triton_common import (
     load_f32,
@@ -432,16 +433,21 @@ class TritonGradPlan:
         if not value.is_contiguous():
             raise Error(f"GradPlan: argument '{arg}' must be contiguous")
 
-    def route(self, op, norm_type=None):
-        """(backend, reason) of an operation: what ran it."""
+    def unsupported(self, op, norm_type=None):
+        """None if the kernels run `op` ("norm", "clip", ...), else why the
+        torch-op plan runs it (the op registry asks, per call)."""
         if op in ("norm", "unscale_norm") and float(norm_type) not in _KINDS:
-            return "torch", (f"norm_type {norm_type} is not 1, 2 or inf: the torch-op backend "
-                             f"runs the whole call")
-        reason = f"{self.num_chunks} chunks of {len(self.views)} regions"
+            return (f"norm_type {norm_type} is not 1, 2 or inf: the torch-op backend runs the "
+                    f"whole call")
+        return None
+
+    def detail(self):
+        """How the kernels cover the grads (recorded with each call's reason)."""
+        detail = f"{self.num_chunks} chunks of {len(self.views)} regions"
         if self.num_fallback:
-            reason += (f"; {self.num_fallback} entries (multiplicity > 1 or strided) by the "
+            detail += (f"; {self.num_fallback} entries (multiplicity > 1 or strided) by the "
                        f"torch-op code")
-        return "triton", reason
+        return detail
 
     def _fallback_extra(self, kind, flag_values=True):
         """The fallback entries' contribution [value, non-finite flag] in the
@@ -655,21 +661,21 @@ def mts_route(src, dst):
     return None
 
 
-def multi_tensor_scale(src, dst, scale, found_inf, device, *, chunk=None, block=None):
+def multi_tensor_scale(src, dst, scale, found_inf, device, *, chunk=None, block=None,
+                       supported=False):
     """dst[i] = cast(float(src[i]) * scale); found_inf = 1 if any source value
     is not finite (OR-ed). One launch for every pair and dtype, unless
     :func:`mts_route` sends the call to the torch-op code (returned: its
-    reason, else None)."""
+    reason, else None). ``supported=True``: the caller (the op registry)
+    already asked :func:`mts_route`."""
     _check_device(device, "multi_tensor_scale")
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
             raise Error(f"multi_tensor_scale: argument 'scale' must be a 1-element float32 tensor "
                         f"on {device} (got {dtype_name(scale.dtype)}{list(scale.shape)} on "
                         f"{scale.device})")
-    reason = mts_route(src, dst)
+    reason = None if supported else mts_route(src, dst)
     if reason is not None:
-        from . import torch_grad
-
         torch_grad.multi_tensor_scale(src, dst, scale, found_inf, device)
         return reason
     pairs = [(s, d) for s, d in zip(src, dst) if s.numel() > 0]

@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from .. import _backend, _registry
 from . import _patching
 from ._patching import EMPTY, Spec, Variant
 
@@ -95,8 +96,6 @@ def _cpu_delegated(tensor):
 
 def _why_not(tensors):
     """Why leanstep cannot take these tensors (None if it can)."""
-    from .. import _backend
-
     device = None
     for t in tensors:
         if t is None:
@@ -117,10 +116,9 @@ def _device_type(t):
 
 
 def _backend_of(tensors, op):
-    """The backend leanstep's entry point will choose for `op` (reported per call)."""
-    from .. import _backend
-
-    return _backend.choose(tensors, None, op, triton="moe")
+    """The backend leanstep's entry point will choose for `op` (reported per
+    call): the registry's choice, not counted (the entry point counts it)."""
+    return _registry.choose(f"moe.{op}", tensors, None, None, op)[0]
 
 
 def _wants_grad(*tensors):

@@ -34,14 +34,19 @@ import contextlib
 import gc
 import hashlib
 import json
+import logging
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from functools import partial
+
+import leanstep
 
 CONDITIONS = ("baseline", "rmsnorm", "grad", "all")
 #: A second baseline, the same preset under another name (on unless --no-aa). Its
@@ -425,7 +430,6 @@ def pin_to_core(local_rank):
 def worker(args):
     import torch
 
-    import leanstep
     import leanstep.megatron as lm
 
     from . import cpu
@@ -457,8 +461,6 @@ def worker(args):
 
 def run_ep(args, ep, rank, world, say):
     import torch
-
-    import leanstep
 
     out_dir = os.path.join(args.out, f"ep{ep}")
     trainer = Trainer(args, ep, rank, world)
@@ -531,8 +533,6 @@ def run_ep(args, ep, rank, world, say):
 
 def audit_conditions(trainer, say, ep):
     """One audited step per condition (each rank audits its own)."""
-    import leanstep
-
     trainer.build()
     trainer.step(0)  # the plans and buffers exist before the audited steps
     audits = {}
@@ -550,8 +550,6 @@ def audit_conditions(trainer, say, ep):
 
 def agreement(args, trainer, out_dir, rank, result, say, ep):
     """baseline vs all: the same initial state and data."""
-    import leanstep
-
     for condition in ("baseline", "all"):
         trainer.build()
         leanstep.set_preset(PRESETS[condition])
@@ -581,8 +579,6 @@ def free_port():
 
 
 def launch(args, argv):
-    import leanstep
-
     os.makedirs(args.out, exist_ok=True)
     for ep in args.ep_sizes:
         ep_dir = os.path.join(args.out, f"ep{ep}")
@@ -635,8 +631,6 @@ def _diffs(a, b):
 def analyse(args, seconds):
     import megatron.core
 
-    import leanstep
-
     ranks = [json.load(open(os.path.join(args.out, f"results.rank{r}.json")))
              for r in range(args.nproc)]
     out = {"megatron_core_version": megatron.core.__version__, "python": sys.version.split()[0],
@@ -685,8 +679,6 @@ def analyse(args, seconds):
 
 def group_names(names):
     """[(name with layer and expert indices as *, shape, count)] in first-seen order."""
-    import re
-
     groups = {}
     for name, shape in names:
         key = (re.sub(r"\.(\d+)\.", ".*.", re.sub(r"\.(\d+)\.", ".*.", name)), str(shape))
@@ -810,8 +802,6 @@ def main(argv=None):
     if argv == ["--worker"] and "LEANSTEP_TRAIN_ARGV" in os.environ:
         argv = json.loads(os.environ["LEANSTEP_TRAIN_ARGV"]) + ["--worker"]
     warnings.filterwarnings("ignore")
-    import logging
-
     # torch says at import that this machine has no CUDA runtime: known here.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     ap = build_parser()
@@ -821,8 +811,6 @@ def main(argv=None):
         try:
             worker(args)
         except BaseException:
-            import traceback
-
             print(f"rank {os.environ.get('RANK', '?')}: {traceback.format_exc()}", file=sys.stderr,
                   flush=True)
             raise
