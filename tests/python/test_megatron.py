@@ -340,6 +340,25 @@ def test_permute_unpermute_match_megatron(dtype, drop_and_pad, patched, torch_ge
     assert calls["permute"]["leanstep"] == 1 and calls["unpermute"]["leanstep"] == 1
 
 
+@pytest.mark.skipif(not NEW_API, reason="0.16's plain permute ignores num_out_tokens")
+def test_a_num_out_tokens_off_the_routed_count_is_the_same_async_check_on_cpu(patched, torch_gen):
+    # The CPU path used to read int(routing_map.sum()) on the host to decide
+    # (one read per MoE layer that a device run does not make); it is the
+    # device path's asynchronous check now, so a CPU run counts the reads a
+    # device run would.
+    T, E, k, H = 12, 4, 2, 8
+    routing_map, probs = routing(T, E, k, torch_gen)
+    tokens = randn((T, H), torch.float32, torch_gen)
+    routed = int(routing_map.sum())
+    with leanstep.audit() as counted:
+        token_dispatcher.permute(tokens, routing_map, probs, routed)
+    assert counted.num_host_reads == 0 and counted.num_syncs == 0, counted.format_table()
+    assert counted.ops["aten._assert_async.msg"] == 1
+    with pytest.raises(RuntimeError, match="num_out_tokens must equal the routed count"):
+        token_dispatcher.permute(tokens, routing_map, probs, routed + 1)
+    assert lm.report()["calls"]["permute"]["leanstep"] == 2
+
+
 @pytest.mark.moe_cpu_default
 def test_cpu_calls_go_to_megatron_by_default(patched, torch_gen, monkeypatch):
     from leanstep.megatron import moe as moe_patches
