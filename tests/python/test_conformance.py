@@ -1,0 +1,1037 @@
+"""One conformance harness for every backend of every op, in the manner of
+ggml's test-backend-ops: each case of one case list runs on every backend
+that implements its op, and one comparison function holds the results to
+the oracle with the tolerances of :mod:`leanstep._tolerances`, naming the op,
+the backend, the case and the seed when they disagree.
+
+Backends:
+
+- ``cpu-fast``: the C++ fast path (GradPlan under the preset "all",
+  ``impl="fused"``, ``method="fused"``), for the ops that have one;
+- ``cpu-reference``: the C++ reference (the preset "baseline",
+  ``impl="reference"``, ``method="sort"``), also the oracle;
+- ``torch``: the torch-op backend forced on CPU tensors;
+- ``triton``: the Triton kernels under TRITON_INTERPRET=1 (as
+  tests/python/triton_harness.py sets it up: when this process imported
+  triton for a device, one test reruns these cases in a fresh process);
+- ``meta``: the torch-op backend on meta tensors, where any host read of a
+  value raises: outputs are checked for shape and dtype only, and the audit
+  for zero device reads.
+
+Oracles: the C++ reference on the same inputs; where it is not exact (norms,
+RMSNorm, the MoE sums and dot products) also a float64 computation; the MoE
+permutation ops are compared bit for bit (and permute, pad_routing_map and
+sort_chunks_by_idxs also with a plain-Python statement of their semantics).
+Every run draws fresh inputs from the session seed of tests/python/conftest.py
+(replay with LEANSTEP_TEST_SEED) and the case, so a failure names the seed
+that reproduces it.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+import leanstep
+from leanstep._tolerances import TOLERANCES, check, tolerance
+
+try:
+    from conftest import SEED
+except ImportError:  # collected without tests/python/conftest.py
+    SEED = int(os.environ.get("LEANSTEP_TEST_SEED", "0"))
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+
+def _load_triton():
+    """triton_harness's set-up, or why the triton cases cannot run here (a
+    missing triton skips those cases only, never the module)."""
+    import triton_harness  # tests/python is on sys.path under pytest
+
+    try:
+        setup = triton_harness.load("triton_common", "triton_grad", "triton_rmsnorm",
+                                    "triton_moe")
+    except pytest.skip.Exception as e:
+        return None, str(e) or "triton is not importable"
+    return setup, None
+
+
+_TRITON, _NO_TRITON = _load_triton()
+TRITON_DEVICE = _TRITON.device if _TRITON is not None else torch.device("cpu")
+
+
+# ---------------------------------------------------------------- the case list
+
+FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "fp64": torch.float64}
+NORM_DTYPES = ("fp32", "fp16", "bf16")  # RMSNorm and the MoE tokens: no fp64
+ODD_SIZES = (1, 3, 17, 1037)
+MOE_TOKENS = (1, 3, 17, 347)  # of 3 elements each: the largest holds 1041
+NONFINITE = [(value, where) for value in ("inf", "nan") for where in ("first", "middle", "last")]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One set of inputs of one op. ``options`` holds the op's own knobs
+    (sizes, layout, norm type, probs form, ...)."""
+
+    op: str
+    name: str
+    dtype: torch.dtype
+    options: tuple = ()
+    special: str = None  # "inf" / "nan" placed at `where` ("first", "middle", "last")
+    where: str = None
+
+    def get(self, key, default=None):
+        return dict(self.options).get(key, default)
+
+    @property
+    def id(self):
+        return f"{self.op}[{self.name}]"
+
+
+def _case(op, name, dtype, special=None, where=None, **options):
+    return Case(op, name, dtype, tuple(sorted(options.items())), special, where)
+
+
+def _grad_cases():
+    found_inf_ops = ("grad.norm", "grad.unscale_norm", "grad.unscale", "grad.multi_tensor_scale")
+    for op in ("grad.norm", "grad.unscale_norm", "grad.unscale", "grad.clip", "grad.scale",
+               "grad.count_zeros", "grad.norm_clip", "grad.multi_tensor_scale"):
+        norm_types = (2.0, math.inf) if op == "grad.norm" else (None,)
+        for p in norm_types:
+            tag = "" if p is None else f"-p{p:g}"
+            for dname, dtype in FLOATS.items():  # the planner takes all four
+                for n in ODD_SIZES:
+                    yield _case(op, f"{dname}-n{n}{tag}", dtype, layout="one", size=n, p=p)
+                yield _case(op, f"{dname}-views{tag}", dtype, layout="views", p=p)
+                yield _case(op, f"{dname}-empty-tensors{tag}", dtype, layout="empty-tensors", p=p)
+                if op in found_inf_ops:
+                    for value, where in NONFINITE:
+                        yield _case(op, f"{dname}-{value}-{where}{tag}", dtype, value, where,
+                                    layout="nonfinite", p=p)
+            yield _case(op, f"empty-list{tag}", torch.float32, layout="empty-list", p=p)
+        if op == "grad.norm":  # p = 1 and a general p
+            for p in (1.0, 1.5):
+                for dname in ("fp32", "bf16"):
+                    yield _case(op, f"{dname}-views-p{p:g}", FLOATS[dname], layout="views", p=p)
+        if op == "grad.unscale_norm":  # inv_scale as a device scalar
+            yield _case(op, "fp32-views-tensor-scale", torch.float32, layout="views",
+                        tensor_scale=True)
+
+
+def _rmsnorm_cases():
+    for op in ("rmsnorm.forward", "rmsnorm.backward"):
+        trainable = (False, True) if op == "rmsnorm.backward" else (None,)
+        for train in trainable:
+            tag = {None: "", False: "-frozen", True: "-trainable"}[train]
+            for dname in NORM_DTYPES:
+                dtype = FLOATS[dname]
+                for h in ODD_SIZES:
+                    yield _case(op, f"{dname}-h{h}{tag}", dtype, shape=(3, h), trainable=train)
+                yield _case(op, f"{dname}-rows37{tag}", dtype, shape=(37, 29),
+                            trainable=train)
+                yield _case(op, f"{dname}-3d{tag}", dtype, shape=(2, 3, 17), trainable=train)
+                yield _case(op, f"{dname}-rows0{tag}", dtype, shape=(0, 16), trainable=train)
+                yield _case(op, f"{dname}-zero-centered{tag}", dtype, shape=(5, 17),
+                            trainable=train, zero_centered_gamma=True)
+        if op == "rmsnorm.forward":  # the rounding order only the forward has
+            for dname in NORM_DTYPES:
+                yield _case(op, f"{dname}-cast-then-scale", FLOATS[dname], shape=(5, 17),
+                            rounding="cast_then_scale")
+        yield _case(op, "bf16-fp32-weight", torch.bfloat16, shape=(5, 17),
+                    weight_dtype=torch.float32, trainable=trainable[0])
+
+
+#: The MoE ops' data dtypes: the gathers move any float dtype; the sums, their
+#: backward and the dot products take fp32/fp16/bf16.
+MOE_DTYPES = {"moe.permute": FLOATS, "moe.sort_chunks_by_idxs": FLOATS,
+              "moe.permute_probs_backward": FLOATS,
+              "moe.unpermute": NORM_DTYPES, "moe.permute_backward": NORM_DTYPES,
+              "moe.unpermute_backward": NORM_DTYPES}
+
+
+def _moe_cases():
+    base = dict(experts=5, topk=2, hidden=3)
+    t17, empty = dict(base, tokens=17), dict(base, tokens=0)
+    variants = {  # op -> (name, options) beyond the odd token counts
+        "moe.permute": [("more-rows", dict(t17, extra_rows=5)),
+                        ("drop-and-pad", dict(t17, capacity=6)),
+                        ("no-probs", dict(t17, probs=None)),
+                        ("bf16-probs", dict(t17, probs=torch.bfloat16)),
+                        ("empty", empty), ("empty-3-rows", dict(empty, extra_rows=3))],
+        "moe.unpermute": [("slots", dict(t17, form="slots")),
+                          ("no-probs-more-rows", dict(t17, form=None, extra_rows=5)),
+                          ("drop-and-pad", dict(t17, form="map", capacity=6)),
+                          ("empty", dict(empty, form="map"))],
+        "moe.permute_backward": [("more-rows", dict(t17, extra_rows=5)), ("empty", empty)],
+        "moe.unpermute_backward": [("slots", dict(t17, form="slots")),
+                                   ("no-probs", dict(t17, form=None)),
+                                   ("bf16-probs", dict(t17, form="map", probs=torch.bfloat16)),
+                                   ("drop-and-pad", dict(t17, form="map", capacity=6)),
+                                   ("empty", dict(empty, form="map"))],
+        "moe.permute_probs_backward": [("drop-and-pad", dict(t17, capacity=6)),
+                                       ("empty", empty)],
+        "moe.sort_chunks_by_idxs": [("tail-rows", dict(t17, chunks=4, tail=3)),
+                                    ("probs", dict(t17, chunks=4, tail=2, probs=torch.float32)),
+                                    ("empty", dict(empty, chunks=3, tail=0))],
+    }
+    for op, dtypes in MOE_DTYPES.items():
+        form = {"moe.unpermute": "map", "moe.unpermute_backward": "map"}.get(op)
+        for dname in dtypes:
+            dtype = FLOATS[dname]
+            for t in MOE_TOKENS:
+                options = dict(base, tokens=t, form=form)
+                if op == "moe.sort_chunks_by_idxs":  # rows in chunks, the tokens' sizes
+                    options.update(chunks=min(t, 4), tail=0)
+                yield _case(op, f"{dname}-t{t}", dtype, **options)
+            for name, options in variants[op]:
+                yield _case(op, f"{dname}-{name}", dtype, **options)
+            if op == "moe.permute":  # a gather copies inf and NaN like any other bits
+                yield _case(op, f"{dname}-nonfinite", dtype, nonfinite=True, **t17)
+    for t in MOE_TOKENS + (0,):  # a bool map: its one dtype
+        for multiple in (3, 8):
+            yield _case("moe.pad_routing_map", f"t{t}-multiple{multiple}", torch.bool,
+                        **dict(base, tokens=t, multiple=multiple))
+
+
+CASES = [*_grad_cases(), *_rmsnorm_cases(), *_moe_cases()]
+
+
+# ---------------------------------------------------------------- backends
+
+@functools.lru_cache(maxsize=None)
+def _cpu_implementations(op):
+    return {impl["name"] for impl in leanstep.paths()["ops"][op]["cpu"]["implementations"]}
+
+
+def backends_of(op):
+    """The harness's backends that implement `op`, from the op table
+    (leanstep.ops()) and the C++ registry (a cpu-fast backend only where
+    the op has an implementation besides the reference)."""
+    table = leanstep.ops()[op]
+    out = []
+    if "cpu" in table:
+        if _cpu_implementations(op) - {"reference"}:
+            out.append("cpu-fast")
+        out.append("cpu-reference")
+    if "torch" in table:
+        out.append("torch")
+    if "triton" in table:
+        out.append("triton")
+    if "torch" in table:
+        out.append("meta")
+    return out
+
+
+def device_of(backend):
+    return {"meta": torch.device("meta"), "triton": TRITON_DEVICE}.get(backend, torch.device("cpu"))
+
+
+def place(t, backend):
+    """A copy of the CPU tensor `t` where `backend` runs (its own memory:
+    in-place ops never touch the case's inputs)."""
+    if t is None:
+        return None
+    return t.to(device_of(backend), copy=True)
+
+
+@contextlib.contextmanager
+def preset_of(backend):
+    """The preset "baseline" sends the GradPlan's CPU calls to the reference."""
+    if backend != "cpu-reference":
+        yield
+        return
+    previous = leanstep.preset()
+    leanstep.set_preset("baseline")
+    try:
+        yield
+    finally:
+        leanstep.set_preset(previous)
+
+
+def device_kwargs(backend):
+    return {"torch": {"backend": "torch"}, "meta": {"backend": "torch"},
+            "triton": {"backend": "triton"}}.get(backend, {})
+
+
+def to_host(value):
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+def f64(t):
+    return t.detach().cpu().to(torch.float64)
+
+
+def randn(shape, dtype, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+
+# ---------------------------------------------------------------- the comparison
+
+
+class Disagreement(AssertionError):
+    """A backend's result outside the stated tolerance of the oracle."""
+
+
+def case_seed(case):
+    """The inputs' seed: the session's and the case's (every backend of a
+    case sees the same inputs)."""
+    return (SEED * 1_000_003 + zlib.crc32(case.id.encode())) % 2**31
+
+
+class Verdict:
+    """The comparisons of one run, collected, then reported together."""
+
+    def __init__(self, case, backend):
+        self.case, self.backend = case, backend
+        self.failures = []
+
+    def expect(self, what, actual, expected, key, oracle="the C++ reference", between=False,
+               **kwargs):
+        """`actual` against `expected` (from `oracle`) within the table's `key`;
+        `between`: both sides carry their own error (the bound doubled)."""
+        tol = tolerance(*key)
+        if between:
+            tol = tol.doubled()
+        if actual is None or expected is None:
+            why = None if actual is None and expected is None else (
+                f"{'no result' if actual is None else 'a result'} where the oracle has "
+                f"{'none' if expected is None else 'one'}")
+        else:
+            why = check(to_host(actual), to_host(expected), tol, **kwargs)
+        if why is not None:
+            self.failures.append(f"{what} vs {oracle}: {why} [tolerance {key[0]}.{key[1]}: "
+                                 f"{tol.why}]")
+
+    def expect_like(self, what, actual, expected):
+        """Shape and dtype only (the meta backend has no values)."""
+        if expected is None or actual is None:
+            if (expected is None) != (actual is None):
+                self.failures.append(f"{what}: got {actual!r}, expected {expected!r}")
+            return
+        if (tuple(actual.shape) != tuple(expected.shape) or actual.dtype != expected.dtype
+                or actual.device.type != "meta"):
+            self.failures.append(f"{what}: {actual.dtype}{list(actual.shape)} on "
+                                 f"{actual.device}, expected {expected.dtype}"
+                                 f"{list(expected.shape)} on meta")
+
+    def fail(self, what):
+        self.failures.append(what)
+
+    def report(self, seed):
+        if not self.failures:
+            return
+        case = self.case
+        what = f"dtype {case.dtype}, {dict(case.options)}"
+        if case.special:
+            what += f", {case.special} at the {case.where} element"
+        lines = "\n  ".join(self.failures)
+        raise Disagreement(
+            f"{case.op} on backend '{self.backend}', case '{case.name}' ({what}), seed {seed} "
+            f"(replay: LEANSTEP_TEST_SEED={SEED} pytest tests/python/test_conformance.py -k "
+            f"'{case.op} and {self.backend} and {case.name}'):\n  {lines}")
+
+
+def conform(case, backend):
+    """Runs `case` on `backend` and on the oracle and compares them; raises
+    :class:`Disagreement` naming the op, backend, case and seed."""
+    spec = SPECS[case.op.split(".")[0]]
+    seed = case_seed(case)
+    gen = torch.Generator().manual_seed(seed)
+    inputs = spec.inputs(case, gen)
+    verdict = Verdict(case, backend)
+    reference = spec.run(case, "cpu-reference", inputs)
+    if backend == "meta":
+        with leanstep.audit() as audit:
+            got = spec.run(case, backend, inputs)
+        if audit.num_device_reads or audit.num_syncs:
+            verdict.fail(f"host reads on meta tensors: {audit.summary()}")
+        for name, expected in reference.items():
+            verdict.expect_like(name, got.get(name), expected)
+    else:
+        got = reference if backend == "cpu-reference" else spec.run(case, backend, inputs)
+        spec.compare(case, inputs, got, reference, verdict)
+    verdict.report(seed)
+
+
+# ---------------------------------------------------------------- grad
+
+
+def _grad_layout(case, gen):
+    """(buffers, views as (buffer, shape, stride, offset)) of the case's grad list."""
+    dtype, layout = case.dtype, case.get("layout")
+    if layout == "empty-list":
+        return [], []
+    if layout == "empty-tensors":
+        return [torch.zeros(0, dtype=dtype), torch.zeros(0, dtype=dtype)], [
+            (0, (0,), (1,), 0), (1, (0,), (1,), 0)]
+    if layout == "one":
+        n = case.get("size")
+        buffers, views = [randn(n, dtype, gen, 3.0)], [(0, (n,), (1,), 0)]
+    else:
+        sizes = (3, 17, 40) if layout == "nonfinite" else ODD_SIZES
+        views, at = [], 0
+        for i, n in enumerate(sizes):
+            views.append((0, (n,), (1,), at))
+            at += n + 1 + i % 3  # gaps no grad lists: they must stay untouched
+        if layout == "views":
+            views.append(views[2])                  # listed twice: multiplicity 2
+            views.append((0, (8, 6), (1, 8), at))   # transposed: a generic view
+            views.append((0, (0,), (1,), at + 48))  # empty
+            views.append((1, (77,), (1,), 0))       # another storage
+            at += 49
+        buffers = [randn(at, dtype, gen, 3.0), randn(77, dtype, gen, 3.0)]
+    for b in buffers:  # zeros of both signs for count_zeros (none in a 1-element grad)
+        b[2::5] = 0.0
+        b[4::7] = -0.0
+    return buffers, views
+
+
+def _views(buffers, layout):
+    return [buffers[b].as_strided(shape, stride, offset) for b, shape, stride, offset in layout]
+
+
+def _grad_oracle_norm(views, p):
+    """The p-norm of every listed element (a view listed twice counts twice), float64."""
+    flat = torch.cat([f64(v).reshape(-1) for v in views] + [torch.zeros(0, dtype=torch.float64)])
+    if flat.numel() == 0:
+        return torch.zeros(1, dtype=torch.float64)
+    if p == math.inf:
+        return flat.abs().max().reshape(1)
+    return (flat.abs() ** p).sum().pow(1.0 / p).reshape(1)
+
+
+MTS_DESTINATION = {torch.float32: torch.float16, torch.float16: torch.float32,
+                   torch.bfloat16: None, torch.float64: torch.bfloat16}  # None: in place
+
+
+class GradSpec:
+    family = "grad"
+
+    def inputs(self, case, gen):
+        buffers, layout = _grad_layout(case, gen)
+        if case.special:
+            views = _views(buffers, layout)
+            listed = [v for v in views if v.numel()]
+            target = {"first": listed[0], "middle": listed[len(listed) // 2],
+                      "last": listed[-1]}[case.where]
+            index = {"first": 0, "middle": target.numel() // 2, "last": -1}[case.where]
+            target[index] = float(case.special)  # the nonfinite layout's views are 1-D
+        norm = _grad_oracle_norm(_views(buffers, layout), 2.0).float()
+        return dict(buffers=buffers, layout=layout, norm=norm,
+                    max_norm=0.37 * float(norm) if math.isfinite(float(norm)) else 1.0)
+
+    def run(self, case, backend, inputs):
+        buffers = [place(b, backend) for b in inputs["buffers"]]
+        views = _views(buffers, inputs["layout"])
+        kwargs = device_kwargs(backend)
+        like = place(torch.zeros(1), backend) if not views else None
+        op = case.op.split(".")[1]
+        out = {}
+        before = _cpu_calls(case.op)
+        with preset_of(backend):
+            if op == "multi_tensor_scale":
+                destination = MTS_DESTINATION[case.dtype]
+                dst = views if destination is None else [
+                    torch.zeros(v.shape, dtype=destination, device=device_of(backend))
+                    for v in views]
+                flag = None if views else place(torch.zeros(1), backend)
+                out["found_inf"] = leanstep.multi_tensor_scale(views, dst, 0.01, found_inf=flag,
+                                                               **kwargs)
+                if destination is not None:
+                    out.update({f"dst[{i}]": d for i, d in enumerate(dst)})
+            else:
+                plan = leanstep.GradPlan(views, like=like, **kwargs)
+                if op == "norm":
+                    out["norm"], out["found_inf"] = plan.norm(case.get("p"))
+                elif op == "unscale_norm":
+                    inv = place(torch.tensor([0.125]), backend) if case.get("tensor_scale") \
+                        else 1.0 / 3.0
+                    out["norm"], out["found_inf"] = plan.norm(2.0, inv_scale=inv)
+                elif op == "unscale":
+                    out["found_inf"] = plan.unscale_(1.0 / 3.0)
+                elif op == "clip":
+                    out["coeff"] = plan.clip_(inputs["max_norm"], place(inputs["norm"], backend))
+                elif op == "scale":
+                    plan.scale_(0.3)
+                elif op == "count_zeros":
+                    out["zeros"] = plan.count_zeros()
+                elif op == "norm_clip":
+                    out["norm"], out["found_inf"], out["coeff"] = plan.norm_clip_(
+                        inputs["max_norm"])
+        out.update({f"buffers[{i}]": b for i, b in enumerate(buffers)})
+        if backend in ("cpu-fast", "cpu-reference"):  # the preset chose the implementation
+            ran = {impl for impl, n in _cpu_calls(case.op).items() if n > before.get(impl, 0)}
+            wanted = "reference" if backend == "cpu-reference" else "fused"
+            assert ran == {wanted}, f"{case.id} on {backend}: the C++ registry ran {ran}"
+        return {k: to_host(v) if backend != "meta" else v for k, v in out.items()}
+
+    def compare(self, case, inputs, got, ref, verdict):
+        op = case.op.split(".")[1]
+        for name, expected in ref.items():
+            actual = got.get(name)
+            if name == "norm":
+                verdict.expect(name, actual, expected, ("grad", "norm_between_backends"))
+                # The norm of the values the op saw (unscaled: the reference's result).
+                values = (_views(ref_buffers(ref), inputs["layout"]) if op == "unscale_norm"
+                          else _views(inputs["buffers"], inputs["layout"]))
+                exact = _grad_oracle_norm(values, case.get("p") or 2.0)
+                if bool(torch.isfinite(exact).all()):
+                    verdict.expect(name, actual.double(), exact, ("grad", "norm"),
+                                   oracle="float64", dtype=torch.float32)
+            elif name == "coeff":
+                key = ("grad", "norm_clip_coeff") if op == "norm_clip" else ("grad", "clip_coeff")
+                verdict.expect(name, actual, expected, key)
+            elif name == "found_inf":
+                verdict.expect(name, actual, expected, ("grad", "found_inf"))
+            elif name == "zeros":
+                verdict.expect(name, actual, expected, ("grad", "count_zeros"))
+            else:  # the grads (and mts destinations) after the op
+                key = ("grad", "norm_clip_values") if op == "norm_clip" else ("grad", "elementwise")
+                verdict.expect(name, actual, expected, key)
+
+
+def _cpu_calls(op):
+    """Calls per C++ implementation of `op` so far (the registry's counts)."""
+    return {s["impl"]: s["calls"] for s in leanstep.paths()["ops"][op]["cpu"]["stats"]}
+
+
+def ref_buffers(ref):
+    return [v for k, v in sorted(ref.items()) if k.startswith("buffers[")]
+
+
+# ---------------------------------------------------------------- rmsnorm
+
+RMSNORM_EPS = 1e-4  # with inputs of scale 1e-2: an eps ignored fails the bounds
+
+
+class RMSNormSpec:
+    family = "rmsnorm"
+
+    def inputs(self, case, gen):
+        shape = case.get("shape")
+        x = randn(shape, case.dtype, gen, 1e-2)
+        w = (torch.rand(shape[-1], generator=gen, dtype=torch.float64) + 0.5).to(
+            case.get("weight_dtype") or case.dtype)
+        dy = randn(shape, case.dtype, gen)
+        inputs = dict(x=x, w=w, dy=dy)
+        if case.op == "rmsnorm.backward":  # the saved rstd every backend is given
+            inputs["rstd"] = leanstep.rms_norm(x, w, RMSNORM_EPS, self._zcg(case),
+                                               impl="reference")[1]
+        return inputs
+
+    @staticmethod
+    def _zcg(case):
+        return bool(case.get("zero_centered_gamma"))
+
+    def run(self, case, backend, inputs):
+        x, w, dy = (place(inputs[k], backend) for k in ("x", "w", "dy"))
+        kwargs = device_kwargs(backend)
+        if backend == "cpu-fast":
+            kwargs = {"impl": "fused"}
+        elif backend == "cpu-reference":
+            kwargs = {"impl": "reference"}
+        zcg = self._zcg(case)
+        if case.op == "rmsnorm.forward":
+            y, rstd = leanstep.rms_norm(x, w, RMSNORM_EPS, zcg,
+                                        case.get("rounding") or "scale_then_cast", **kwargs)
+            out = dict(y=y, rstd=rstd)
+        else:
+            dx, dweight = leanstep.rms_norm_backward(dy, x, place(inputs["rstd"], backend), w, zcg,
+                                                     bool(case.get("trainable")), **kwargs)
+            out = dict(dx=dx, dweight=dweight)
+        return {k: to_host(v) if backend != "meta" else v for k, v in out.items()}
+
+    def compare(self, case, inputs, got, ref, verdict):
+        x, w, dy = f64(inputs["x"]), f64(inputs["w"]), f64(inputs["dy"])
+        g = 1.0 + w if self._zcg(case) else w
+        hidden = x.shape[-1]
+        if case.op == "rmsnorm.forward":
+            eps = float(torch.tensor(RMSNORM_EPS, dtype=torch.float32))  # used as fp32
+            r = 1.0 / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+            if case.get("rounding") == "cast_then_scale":
+                y64 = g * (x * r).to(case.dtype).double()
+                key = ("rmsnorm", "y_cast_then_scale")
+            else:
+                y64 = x * r * g
+                key = ("rmsnorm", "y")
+            for expected, oracle, between in ((y64, "float64", False),
+                                              (ref["y"], "the C++ reference", True)):
+                e = f64(expected)
+                row_max = e.abs().amax(-1, keepdim=True) if e.numel() else e
+                verdict.expect("y", got["y"].double(), e, key, oracle, between,
+                               dtype=case.dtype, scale=row_max)
+            verdict.expect("rstd", got["rstd"].double(), r.squeeze(-1), ("rmsnorm", "rstd"),
+                           "float64", dtype=torch.float32)
+            verdict.expect("rstd", got["rstd"], ref["rstd"], ("rmsnorm", "rstd"), between=True)
+            return
+        r = f64(inputs["rstd"]).unsqueeze(-1)
+        xhat = x * r
+        gdy = g * dy
+        m = (gdy * xhat).mean(-1, keepdim=True)
+        dx64 = r * (gdy - xhat * m)
+        terms = r * (gdy.abs() + xhat.abs() * (m.abs() + (gdy * xhat).abs().mean(-1, keepdim=True)))
+        for expected, oracle, between in ((dx64, "float64", False),
+                                          (ref["dx"], "the C++ reference", True)):
+            verdict.expect("dx", got["dx"].double(), f64(expected), ("rmsnorm", "dx"), oracle,
+                           between, dtype=case.dtype, scale=terms, terms=hidden)
+        if case.get("trainable"):
+            rows = x.numel() // hidden
+            dw64 = (dy * xhat).reshape(-1, hidden).sum(0)
+            dw_scale = (dy * xhat).abs().reshape(-1, hidden).sum(0)
+            for expected, oracle, between in ((dw64, "float64", False),
+                                              (ref["dweight"], "the C++ reference", True)):
+                verdict.expect("dweight", got["dweight"].double(), f64(expected),
+                               ("rmsnorm", "dweight"), oracle, between,
+                               dtype=inputs["w"].dtype, scale=dw_scale, terms=rows)
+        else:
+            verdict.expect("dweight", got["dweight"], None, ("rmsnorm", "dweight"))
+
+
+# ---------------------------------------------------------------- moe
+
+
+def _routing(case, gen):
+    """A top-k routing map with one expert no token is routed to, probs in
+    the case's probs dtype (0 where not routed)."""
+    t, e, k = case.get("tokens"), case.get("experts"), case.get("topk")
+    scores = torch.rand(t, e, generator=gen)
+    scores[:, 1] = -1.0  # expert 1 gets no token
+    top = scores.topk(k, dim=1).indices
+    routing_map = torch.zeros(t, e, dtype=torch.bool).scatter_(1, top, True)
+    probs_dtype = case.get("probs", torch.float32)
+    probs = None if probs_dtype is None else torch.where(routing_map, scores.abs(), 0.0).to(
+        probs_dtype)
+    return routing_map, probs
+
+
+def _num_out_tokens(case, routing_map):
+    """permute's num_out_tokens of the case (None: the routed count)."""
+    if case.get("capacity") is not None:
+        return case.get("experts") * case.get("capacity")
+    if case.get("extra_rows") is not None:
+        return int(routing_map.sum()) + case.get("extra_rows")
+    return None
+
+
+def _permute_semantics(tokens, routing_map, probs, rows, capacity):
+    """docs/moe.md in plain Python: expert-major, increasing token; with a
+    capacity, routed tokens then unrouted ones, the first `capacity` kept;
+    extra rows are zero with index -1."""
+    t, e = routing_map.shape
+    by_expert = routing_map.t().tolist()
+    index = []
+    experts = []
+    for expert in range(e):
+        routed = [tok for tok in range(t) if by_expert[expert][tok]]
+        if capacity is not None:
+            unrouted = [tok for tok in range(t) if not by_expert[expert][tok]]
+            routed = (routed + unrouted)[:capacity]
+        index += routed
+        experts += [expert] * len(routed)
+    rows = len(index) if rows is None else rows
+    index += [-1] * (rows - len(index))
+    experts += [-1] * (rows - len(experts))
+    idx = torch.tensor(index, dtype=torch.int64)
+    permuted = torch.zeros((rows, tokens.shape[1]), dtype=tokens.dtype)
+    has = idx >= 0
+    permuted[has] = tokens[idx[has]]
+    out_probs = None
+    if probs is not None:
+        out_probs = torch.zeros(rows, dtype=probs.dtype)
+        ex = torch.tensor(experts, dtype=torch.int64)
+        out_probs[has] = probs[idx[has], ex[has]]
+    return permuted, out_probs, idx
+
+
+def _moe_kwargs(case, backend):
+    """method= for the ops with a fast CPU path; backend= for the device ones."""
+    kwargs = device_kwargs(backend)
+    if case.op in ("moe.permute", "moe.unpermute", "moe.permute_backward",
+                   "moe.unpermute_backward"):
+        if backend == "cpu-fast":
+            kwargs["method"] = "fused"
+        elif backend == "cpu-reference":
+            kwargs["method"] = "sort"
+    return kwargs
+
+
+class MoESpec:
+    family = "moe"
+
+    def inputs(self, case, gen):
+        op = case.op
+        if op == "moe.sort_chunks_by_idxs":
+            return self._chunk_inputs(case, gen)
+        routing_map, probs = _routing(case, gen)
+        t, h = case.get("tokens"), case.get("hidden")
+        tokens = randn((t, h), case.dtype, gen, 3.0) if op != "moe.pad_routing_map" else None
+        if case.get("nonfinite"):
+            flat = tokens.view(-1)
+            flat[0], flat[flat.numel() // 2], flat[-1] = math.inf, math.nan, -math.inf
+        inputs = dict(tokens=tokens, routing_map=routing_map, probs=probs,
+                      num_out_tokens=_num_out_tokens(case, routing_map),
+                      routed=int(routing_map.sum()),
+                      drop_and_pad=case.get("capacity") is not None)
+        if op in ("moe.permute", "moe.pad_routing_map"):
+            return inputs
+        # The other ops take permute's layout (the C++ reference's).
+        permuted, permuted_probs, idx = leanstep.moe_permute(
+            tokens, routing_map, probs if probs is not None else routing_map.float(),
+            inputs["num_out_tokens"], inputs["drop_and_pad"], method="sort")
+        n = idx.shape[0]
+        inputs.update(sorted_indices=idx, permuted_probs=permuted_probs.to(
+            probs.dtype if probs is not None else torch.float32),
+            permuted=randn((n, h), case.dtype, gen, 3.0),  # not just the tokens' bits
+            dout=randn((t, h), case.dtype, gen), dprobs=randn(n, case.dtype, gen))
+        return inputs
+
+    @staticmethod
+    def _chunk_inputs(case, gen):
+        rows, chunks, tail = case.get("tokens"), case.get("chunks"), case.get("tail")
+        covered = max(rows - tail, 0)
+        cuts = sorted(torch.randint(0, covered + 1, (chunks - 1,), generator=gen).tolist())
+        sizes = torch.tensor([b - a for a, b in zip([0] + cuts, cuts + [covered])],
+                             dtype=torch.int64)
+        order = torch.randperm(chunks, generator=gen)
+        probs_dtype = case.get("probs")
+        return dict(rows=randn((rows, case.get("hidden")), case.dtype, gen),
+                    split_sizes=sizes, sorted_idxs=order,
+                    probs=None if probs_dtype is None else torch.rand(rows, generator=gen).to(
+                        probs_dtype))
+
+    def _probs_args(self, case, inputs, backend):
+        form = case.get("form")
+        if form == "map":
+            return dict(probs=place(inputs["probs"], backend),
+                        routing_map=place(inputs["routing_map"], backend),
+                        drop_and_pad=inputs["drop_and_pad"])
+        if form == "slots":
+            return dict(probs=place(inputs["permuted_probs"], backend))
+        return {}
+
+    def run(self, case, backend, inputs):
+        op, kwargs = case.op, _moe_kwargs(case, backend)
+        p = {k: place(v, backend) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        if op == "moe.permute":
+            rows = p["num_out_tokens"]
+            if backend == "meta" and rows is None:
+                # Without num_out_tokens the routed count is the row count: the one host
+                # read by design. Meta gets that count as a host int.
+                rows = inputs["routed"]
+            out = dict(zip(("permuted", "permuted_probs", "sorted_indices"), leanstep.moe_permute(
+                p["tokens"], p["routing_map"], p["probs"], rows, p["drop_and_pad"], **kwargs)))
+        elif op == "moe.unpermute":
+            t, h = case.get("tokens"), case.get("hidden")
+            out = dict(out=leanstep.moe_unpermute(p["permuted"], p["sorted_indices"], (t, h),
+                                                  **self._probs_args(case, inputs, backend),
+                                                  **kwargs))
+        elif op == "moe.permute_backward":
+            out = dict(dtokens=leanstep.moe_permute_backward(
+                p["permuted"], p["sorted_indices"], case.get("tokens"), **kwargs))
+        elif op == "moe.unpermute_backward":
+            dpermuted, dprobs = leanstep.moe_unpermute_backward(
+                p["dout"], p["permuted"], p["sorted_indices"],
+                **self._probs_args(case, inputs, backend), **kwargs)
+            out = dict(dpermuted=dpermuted, dprobs=dprobs)
+        elif op == "moe.permute_probs_backward":
+            out = dict(dprobs=leanstep.moe_permute_probs_backward(
+                p["dprobs"], p["sorted_indices"], p["routing_map"], p["drop_and_pad"], **kwargs))
+        elif op == "moe.pad_routing_map":
+            out = dict(map=leanstep.pad_routing_map(p["routing_map"], case.get("multiple"),
+                                                    **kwargs))
+        else:
+            out = dict(zip(("rows", "probs"), leanstep.sort_chunks_by_idxs(
+                p["rows"], p["split_sizes"], p["sorted_idxs"], p["probs"], **kwargs)))
+        return {k: to_host(v) if backend != "meta" else v for k, v in out.items()}
+
+    def compare(self, case, inputs, got, ref, verdict):
+        op = case.op
+        quantity = op.split(".")[1]
+        for name, expected in ref.items():
+            key = ("moe", quantity)
+            if op == "moe.unpermute_backward":
+                key = ("moe", f"unpermute_backward_{name}")
+            if key == ("moe", "unpermute_backward_dprobs"):
+                self._expect_dprobs(case, inputs, got, ref, verdict)
+                continue
+            verdict.expect(name, got.get(name), expected, key)
+        semantics = self._semantics(case, inputs)
+        for name, expected in semantics.items():
+            verdict.expect(name, got.get(name), expected, ("moe", quantity),
+                           oracle="the semantics in plain Python")
+        if op in ("moe.unpermute", "moe.permute_backward"):
+            self._expect_sums(case, inputs, got, verdict)
+
+    def _semantics(self, case, inputs):
+        op = case.op
+        if op == "moe.permute":
+            permuted, probs, idx = _permute_semantics(
+                inputs["tokens"], inputs["routing_map"], inputs["probs"],
+                inputs["num_out_tokens"], case.get("capacity"))
+            return dict(permuted=permuted, permuted_probs=probs, sorted_indices=idx)
+        if op == "moe.pad_routing_map":
+            by_expert = inputs["routing_map"].t().tolist()
+            multiple = case.get("multiple")
+            for column in by_expert:
+                missing = -sum(column) % multiple
+                for tok, routed in enumerate(column):
+                    if missing and not routed:
+                        column[tok] = True
+                        missing -= 1
+            padded = torch.tensor(by_expert, dtype=torch.bool).reshape(
+                inputs["routing_map"].t().shape).t().contiguous()
+            return dict(map=padded)
+        if op == "moe.sort_chunks_by_idxs":
+            sizes = inputs["split_sizes"].tolist()
+            covered = sum(sizes)
+            order = inputs["sorted_idxs"].tolist()
+
+            def moved(t):
+                if t is None:
+                    return None
+                chunks = list(torch.split(t[:covered], sizes))
+                return torch.cat([chunks[i] for i in order] + [t[covered:]])
+
+            return dict(rows=moved(inputs["rows"]), probs=moved(inputs["probs"]))
+        return {}
+
+    def _slot_weights(self, case, inputs):
+        """fp64 prob of every slot in the case's probs form (None without probs)."""
+        form = case.get("form")
+        if case.op == "moe.permute_backward" or form is None:
+            return None
+        return f64(inputs["permuted_probs"])  # the map form's slot probs are the same values
+
+    def _expect_sums(self, case, inputs, got, verdict):
+        """unpermute / permute_backward against float64 sums of their terms."""
+        idx = inputs["sorted_indices"]
+        t, h = case.get("tokens"), case.get("hidden")
+        terms = f64(inputs["permuted"])
+        weights = self._slot_weights(case, inputs)
+        if weights is not None:
+            terms = terms * weights.unsqueeze(1)
+        has = idx >= 0
+        exact = torch.zeros(t, h, dtype=torch.float64).index_add_(0, idx[has], terms[has])
+        magnitude = torch.zeros(t, h, dtype=torch.float64).index_add_(0, idx[has],
+                                                                       terms[has].abs())
+        slots = int(torch.bincount(idx[has], minlength=1).max()) if bool(has.any()) else 0
+        name = "out" if case.op == "moe.unpermute" else "dtokens"
+        verdict.expect(name, got[name].double(), exact, ("moe", "unpermute_f64"), "float64",
+                       dtype=case.dtype, scale=magnitude, terms=slots)
+
+    def _expect_dprobs(self, case, inputs, got, ref, verdict):
+        """unpermute_backward's dprobs: float64 dot products over H."""
+        if ref["dprobs"] is None:
+            verdict.expect("dprobs", got["dprobs"], None, ("moe", "unpermute_backward_dprobs"))
+            return
+        idx = inputs["sorted_indices"]
+        h = case.get("hidden")
+        dout, permuted = f64(inputs["dout"]), f64(inputs["permuted"])
+        has = idx >= 0
+        rows = dout[idx.clamp(min=0)] * has.unsqueeze(1)
+        dots, mags = (rows * permuted).sum(1), (rows * permuted).abs().sum(1)
+        if case.get("form") == "map":
+            experts = _slot_experts(inputs, case)
+            shape = inputs["probs"].shape
+            dots = _scatter(dots, idx, experts, shape)
+            mags = _scatter(mags, idx, experts, shape)
+        dtype = ref["dprobs"].dtype
+        key = ("moe", "unpermute_backward_dprobs")
+        verdict.expect("dprobs", got["dprobs"].double(), dots, key, "float64", dtype=dtype,
+                       scale=mags, terms=h)
+        verdict.expect("dprobs", got["dprobs"].double(), ref["dprobs"].double(), key,
+                       between=True, dtype=dtype, scale=mags, terms=h)
+
+
+def _slot_experts(inputs, case):
+    """Expert of every slot of permute's layout (expert-major)."""
+    n = inputs["sorted_indices"].shape[0]
+    if inputs["drop_and_pad"]:
+        return torch.arange(n) // case.get("capacity")
+    counts = inputs["routing_map"].sum(0)
+    experts = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    return torch.cat([experts, torch.full((n - experts.numel(),), -1)])
+
+
+def _scatter(values, idx, experts, shape):
+    out = torch.zeros(shape, dtype=torch.float64)
+    keep = (idx >= 0) & (experts >= 0)
+    out[idx[keep], experts[keep]] = values[keep]
+    return out
+
+
+SPECS = {"grad": GradSpec(), "rmsnorm": RMSNormSpec(), "moe": MoESpec()}
+
+
+# ---------------------------------------------------------------- the tests
+
+
+#: Disagreements found by this harness and not resolved yet: (op, dtype,
+#: backends, why). Their cases are strict xfails, so a fix makes them fail
+#: until the entry is removed.
+KNOWN_DISAGREEMENTS = [
+    ("grad.scale", torch.float64, ("cpu-fast", "torch", "triton"),
+     "fp64 grads: the C++ reference of grad.scale (src/dispatch/ops_grad.cpp scale_reference, "
+     "through reference::multi_tensor_scale) rounds each value to fp32 and scales in fp32; "
+     "the fused kernel, the torch-op and the Triton backends scale in double (scale_round, as "
+     "the references of clip and unscale do)"),
+]
+
+#: Interpreted Triton runs programs one after the other, so its largest MoE
+#: cases (seconds each) run in one dtype.
+TRITON_LARGEST_MOE_DTYPE = torch.float32
+
+
+def _known_disagreement(case, backend):
+    for op, dtype, backends, why in KNOWN_DISAGREEMENTS:
+        layout_has_values = case.get("layout") not in ("empty-list", "empty-tensors")
+        if case.op == op and case.dtype == dtype and backend in backends and layout_has_values:
+            return why
+    return None
+
+
+def _params():
+    out = []
+    for case in CASES:
+        for backend in backends_of(case.op):
+            if backend == "meta" and (case.special or case.get("nonfinite")):
+                continue  # the values differ, the shapes do not: meta has nothing to check
+            if (backend == "triton" and case.get("tokens") == max(MOE_TOKENS)
+                    and case.dtype != TRITON_LARGEST_MOE_DTYPE):
+                continue
+            why = _known_disagreement(case, backend)
+            marks = [pytest.mark.xfail(raises=Disagreement, strict=True, reason=why)] if why else []
+            out.append(pytest.param(case, backend, id=f"{case.op}-{backend}-{case.name}",
+                                    marks=marks))
+    return out
+
+
+@pytest.fixture
+def backend_ready(request, monkeypatch):
+    """Triton: the interpreter for this test, or a skip that says why not."""
+    backend = request.node.callspec.params["backend"]
+    if backend != "triton":
+        return
+    if _TRITON is None:
+        pytest.skip(f"triton cases: {_NO_TRITON}")
+    if not _TRITON.in_process:
+        pytest.skip("triton was imported for a device in this process: "
+                    "test_triton_cases_in_a_fresh_interpreter_process runs these cases")
+    if not _TRITON.native:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("case,backend", _params())
+def test_conformance(case, backend, backend_ready):
+    conform(case, backend)
+
+
+def test_triton_cases_in_a_fresh_interpreter_process():
+    """The triton cases in a process whose triton is interpreted, when this
+    one imported triton for a device (megatron-core does): the same seed."""
+    if _TRITON is None:
+        pytest.skip(f"triton cases: {_NO_TRITON}")
+    if _TRITON.in_process:
+        pytest.skip("the triton cases run in this process")
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(leanstep.__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", LEANSTEP_TEST_SEED=str(SEED))
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          os.path.abspath(__file__), "-k", "test_conformance and triton"],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=here)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+
+
+def test_every_op_with_a_second_backend_has_cases():
+    """The case list covers the op table: every op that some backend besides
+    the C++ one implements (moe.route has none)."""
+    covered = {case.op for case in CASES}
+    for op, backends in leanstep.ops().items():
+        if len(backends) > 1:
+            assert op in covered, f"{op} ({backends}) has no conformance case"
+    assert covered <= set(leanstep.ops())
+
+
+def test_every_tolerance_has_a_bound_and_a_reason():
+    for key, tol in TOLERANCES.items():
+        assert tol.why, key
+        assert tol.exact or tol.ulps or tol.rel or tol.per_term, key
+
+
+# ---------------------------------------------------------------- broken backends are caught
+
+
+def _named_case(op, name):
+    (case,) = [c for c in CASES if c.op == op and c.name == name]
+    return case
+
+
+def _assert_named(excinfo, case, backend, what):
+    message = str(excinfo.value)
+    assert message.startswith(f"{case.op} on backend '{backend}', case '{case.name}'"), message
+    assert f"seed {case_seed(case)}" in message and f"LEANSTEP_TEST_SEED={SEED}" in message
+    assert what in message, message
+
+
+def test_a_swapped_row_in_the_torch_permute_is_caught_and_named(monkeypatch):
+    from leanstep.backends import torch_moe
+
+    real = torch_moe.permute
+
+    def swapped(*args, **kwargs):
+        permuted, probs, idx = real(*args, **kwargs)
+        other = int((idx != idx[0]).nonzero()[0])  # the first row of another token
+        order = list(range(permuted.shape[0]))
+        order[0], order[other] = other, 0
+        return permuted[order], probs, idx
+
+    case = _named_case("moe.permute", "fp32-t17")
+    conform(case, "torch")
+    monkeypatch.setattr(torch_moe, "permute", swapped)
+    with pytest.raises(Disagreement) as excinfo:
+        conform(case, "torch")
+    _assert_named(excinfo, case, "torch", "permuted vs the C++ reference: ")
+    assert "elements differ in bits" in str(excinfo.value)
+
+
+def test_a_one_ulp_error_in_the_torch_unscale_is_caught_and_named(monkeypatch):
+    from leanstep.backends import torch_grad
+
+    real = torch_grad.TorchGradPlan.unscale
+
+    def one_ulp_off(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        self.grads[0].view(torch.int16)[5] += 1  # the next bf16 value of one element
+        return result
+
+    case = _named_case("grad.unscale", "bf16-n17")
+    conform(case, "torch")
+    monkeypatch.setattr(torch_grad.TorchGradPlan, "unscale", one_ulp_off)
+    with pytest.raises(Disagreement) as excinfo:
+        conform(case, "torch")
+    _assert_named(excinfo, case, "torch", "buffers[0] vs the C++ reference: 1 of 17 elements "
+                                          "differ in bits: first at (5,)")
+
+
+def test_an_rmsnorm_forward_that_ignores_eps_is_caught_and_named(monkeypatch):
+    from leanstep.backends import torch_rmsnorm
+
+    real = torch_rmsnorm.forward
+    case = _named_case("rmsnorm.forward", "fp32-h17")
+    conform(case, "torch")
+    monkeypatch.setattr(torch_rmsnorm, "forward",
+                        lambda x, w, eps, *args, **kwargs: real(x, w, 0.0, *args, **kwargs))
+    with pytest.raises(Disagreement) as excinfo:
+        conform(case, "torch")
+    _assert_named(excinfo, case, "torch", "y vs float64: ")
+    assert "rstd vs float64: " in str(excinfo.value)
