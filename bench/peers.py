@@ -52,11 +52,10 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import torch  # noqa: E402
 
 import leanstep  # noqa: E402
+import leanstep.hostcost as hostcost  # noqa: E402
 import leanstep.megatron as lm  # noqa: E402
 import leanstep.megatron.cpu as mcpu  # noqa: E402
 import leanstep.torch as lt  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---------------------------------------------------------------- timing
@@ -210,15 +209,8 @@ class Param:
 
 
 def grad_layouts(quick):
-    config = os.path.join(ROOT, "examples/models/qwen3-omni-30b-a3b-instruct.config.json")
-    if "lora" in leanstep.areas and os.path.exists(config):
-        plan = leanstep.lora_plan(config, ["linear_qkv", "linear_fc1", "linear_fc2"], 8, ep=8)
-        lora_params = [(t["name"], t["shape"], t["dtype"], ".experts." in t["name"])
-                       for t in plan["ranks"][0]["layout"]]
-    else:
-        lora_params = leanstep.model_params("qwen3_omni_lora", 8, 8)
-    yield ("qwen3-omni-30b-a3b-lora-r8-ep8", lora_params,
-           dict(distributed_optimizer=True, dp_size=8, bucket_size=40_000_000))
+    # The seed's layout, as the host-cost model (leanstep.hostcost) builds it.
+    yield (hostcost.SEED_LAYOUT, hostcost.seed_layout_params(), dict(hostcost.SEED_LAYOUT_OPTIONS))
     yield ("dense-101m-fp32-distopt-dp6", leanstep.model_params("dense_100m"),
            dict(distributed_optimizer=True, dp_size=6, bucket_size=40_000_000))
 

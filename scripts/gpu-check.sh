@@ -2,6 +2,8 @@
 # The accelerator check of leanstep's Triton kernels: one script, at most 8 minutes,
 # installs nothing.
 #
+#   0. the host cost of a launch and of a sync (1000 tiny launches, 200 .item() reads), printed
+#      as the host-cost model's flags: python -m leanstep.audit --model --launch-us X --sync-us Y;
 #   1. the Triton tests natively: LEANSTEP_TEST_DEVICE=cuda pytest tests/python/test_triton_*.py
 #      (the Triton side on the GPU, compiled; the C++ path and the float64 oracle on the CPU);
 #   2. bench/gpu_check.py: norm + clip on the Qwen3-Omni LoRA layout (leanstep Triton, the
@@ -20,8 +22,9 @@
 #   triton, numpy and pytest; megatron-core is optional (its variants are then skipped).
 #   The compiled extension for that Python must be in python/leanstep/ (an ignored build
 #   output: bring it along, e.g. python/leanstep/_leanstep.cpython-312-x86_64-linux-gnu.so).
-# Writes OUT_DIR/env.txt, tests.txt, bench.txt, gpu_check.json. Exit status: 0 when the
-# environment, the tests and the benchmark all succeed; else the first failure's.
+# Writes OUT_DIR/env.txt, hostcost.txt, tests.txt, bench.txt, gpu_check.json. Exit status: 0 when the
+# environment, the launch and sync cost, the tests and the benchmark all succeed; else the
+# first failure's.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 SMOKE=0
@@ -91,6 +94,36 @@ if [ "$env_rc" -ne 0 ]; then
     exit "$env_rc"
 fi
 
+echo "== launch and sync cost (the host-cost model's parameters)"
+# Host time of an eager op (Python, dispatcher, launch) on a 1-element tensor, and of an
+# .item() of a ready tensor (the copy and the wait): what the model calls launch_us, sync_us.
+timeout 60 env GPU_CHECK_SMOKE="$SMOKE" "$PY" - <<'PYEOF' 2>&1 | tee "$OUT/hostcost.txt"
+import os
+import time
+import torch
+smoke = os.environ["GPU_CHECK_SMOKE"] == "1"
+dev = "cpu" if smoke else "cuda"
+sync = (lambda: None) if smoke else torch.cuda.synchronize
+x = torch.zeros(1, device=dev)
+for _ in range(100):  # warm-up: the kernel and the allocator's block exist
+    x.add_(1)
+    x.item()
+sync()
+t = time.perf_counter()
+for _ in range(1000):
+    x.add_(1)
+sync()
+launch_us = (time.perf_counter() - t) / 1000 * 1e6
+t = time.perf_counter()
+for _ in range(200):
+    x.item()
+sync_us = (time.perf_counter() - t) / 200 * 1e6
+kind = "cpu (--cpu-smoke: not a device figure)" if smoke else torch.cuda.get_device_name()
+print(f"hostcost: --device-kind cuda --launch-us {launch_us:.2f} --sync-us {sync_us:.2f}  ({kind})")
+PYEOF
+cost_rc=${PIPESTATUS[0]}
+[ "$cost_rc" -ne 0 ] && echo "gpu-check: the launch and sync cost failed (rc $cost_rc); see $OUT/hostcost.txt"
+
 TESTS=(tests/python/test_triton_*.py)
 if [ "$SMOKE" -eq 1 ]; then
     echo "== Triton tests in the interpreter (--cpu-smoke; limit ${TESTS_S}s)"
@@ -136,6 +169,8 @@ else
         2>&1 | tee "$OUT/bench.txt"
     bench_rc=${PIPESTATUS[0]}
 fi
-echo "== summary: tests rc $tests_rc, benchmark rc $bench_rc, $(elapsed)s in all; files in $OUT"
-[ "$tests_rc" -ne 0 ] && exit "$tests_rc"
-exit "$bench_rc"
+echo "== summary: launch/sync cost rc $cost_rc, tests rc $tests_rc, benchmark rc $bench_rc, $(elapsed)s in all; files in $OUT"
+for rc in "$cost_rc" "$tests_rc" "$bench_rc"; do
+    [ "$rc" -ne 0 ] && exit "$rc"
+done
+exit 0

@@ -75,9 +75,9 @@ if "stats" in areas:
     __all__ += _stats_all
 
 
-def __getattr__(name):  # leanstep.audit: imported on first use (it imports torch only when an audit starts)
-    if name == "audit":
+def __getattr__(name):  # leanstep.audit, leanstep.hostcost: imported on first use (no torch until used)
+    if name in ("audit", "hostcost"):
         import importlib
 
-        return importlib.import_module(".audit", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

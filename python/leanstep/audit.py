@@ -9,7 +9,10 @@ manager that counts, for the code inside it:
   chunk of tensors (on CUDA about 110 tensors or 320 blocks of 65,536 elements
   per launch), so it counts 1 here and ceil(N / chunk) launches there. Views
   and metadata ops (``aten.view``, ``aten.detach``) count as ops but launch
-  nothing.
+  nothing. So that launches can be estimated (``leanstep.hostcost``), every
+  call of an op whose first argument is a list of tensors (foreach and fused
+  optimizer ops, ``cat``, ``stack``) is also recorded with the element count of
+  each tensor of that list, in order, and the number of tensor lists it takes.
 - **host syncs** at the aten level: every ``aten._local_scalar_dense`` (what
   ``.item()``, ``bool(t)``, ``int(t)``... dispatch to) and every device-to-host
   copy (``aten._to_copy`` / ``aten.copy_`` / ``aten._copy_from`` from a tensor on
@@ -53,7 +56,9 @@ Overhead: every aten op and every torch function call goes through a Python
 handler (microseconds each), and each sync or read walks the Python stack. The
 audit is for counting, not for timing.
 
-Command line: ``python -m leanstep.audit [--json] [--top N] [-o FILE] script.py
+Command line: ``python -m leanstep.audit --model [options]`` prints the
+host-cost model (``leanstep.hostcost``) instead of running a script.
+``python -m leanstep.audit [--json] [--top N] [-o FILE] script.py
 [args...]`` runs the script as ``__main__`` (``sys.argv`` set to the script and
 its arguments) under one audit, then writes the table to stderr, or with
 ``--json`` one line of JSON to stdout after the script's own output and a
@@ -73,7 +78,7 @@ import traceback
 import types
 from typing import Callable, Iterable, NamedTuple, Optional, Union
 
-__all__ = ["Audit", "CallSite", "HostRead", "Sync", "audit", "main"]
+__all__ = ["Audit", "CallSite", "HostRead", "ListCall", "Sync", "audit", "main"]
 
 _THIS_FILE = os.path.normcase(os.path.abspath(__file__))
 
@@ -103,6 +108,24 @@ class Sync(NamedTuple):
     op: str
     device: str
     site: CallSite
+
+
+class ListCall(NamedTuple):
+    """A call of an op whose first argument is a list of tensors. ``numels``:
+    the element counts of that list's tensors in order, as ``(numel, repeat)``
+    runs; ``lists``: how many non-empty tensor lists the call passed."""
+
+    op: str
+    lists: int
+    numels: tuple
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(n for _, n in self.numels)
+
+    @property
+    def num_elements(self) -> int:
+        return sum(v * n for v, n in self.numels)
 
 
 class HostRead(NamedTuple):
@@ -251,6 +274,7 @@ def _load_torch():
             super().__init__()
             self.owner = owner
             self.names = {}
+            self.list_args = {}  # op -> (position, name) of its Tensor[] arguments; () if none first
             self.active = True
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -264,6 +288,11 @@ def _load_torch():
             owner.ops[name] += 1
             if func.is_view:  # metadata only: launches no kernel
                 owner.view_ops[name] += 1
+            lists = self.list_args.get(func)
+            if lists is None:
+                lists = self.list_args[func] = _tensor_list_args(func)
+            if lists:
+                owner._record_list_call(name, lists, args, kwargs)
             if func is scalar:
                 owner._record_sync(owner.syncs, "scalar", name, args[0])
             elif func is to_copy:
@@ -293,6 +322,28 @@ def _load_torch():
 
     _modes = (_FunctionMode, _DispatchMode)
     return _modes
+
+
+def _tensor_list_args(func) -> tuple:
+    """(position, name) of each of ``func``'s ``Tensor[]`` arguments when its
+    first argument is one (``_foreach_*``, ``_fused_adamw_``, ``cat``,
+    ``stack``), else ()."""
+    arguments = func._schema.arguments
+    if not arguments or str(arguments[0].type) != "List[Tensor]":
+        return ()
+    return tuple((i, a.name) for i, a in enumerate(arguments) if str(a.type) == "List[Tensor]")
+
+
+def _run_lengths(values) -> tuple:
+    """((value, repeat), ...) of consecutive equal values: a layout's many
+    grads of one shape stay short."""
+    runs = []
+    for v in values:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return tuple((v, n) for v, n in runs)
 
 
 def _remove_modes(fmode, dmode):
@@ -431,6 +482,8 @@ class Audit:
       ``num_syncs``. ``implicit_syncs`` likewise for data-dependent ops.
     - ``host_reads``: ``Counter`` of :class:`HostRead` -> count;
       ``num_host_reads``, ``num_device_reads`` (reads of non-CPU tensors).
+    - ``list_calls``: ``Counter`` of :class:`ListCall` -> count, the calls of
+      ops taking a list of tensors with the sizes of that list's tensors.
     - ``to_dict()``, ``format_table(top=None)``, ``summary()``.
 
     ``stacklevel_filter`` names further frames to skip when attributing a call
@@ -445,6 +498,7 @@ class Audit:
         self.syncs: collections.Counter = collections.Counter()
         self.implicit_syncs: collections.Counter = collections.Counter()
         self.host_reads: collections.Counter = collections.Counter()
+        self.list_calls: collections.Counter = collections.Counter()
         self._filter = _make_filter(stacklevel_filter)
         self._filter_cache: dict = {}
         self._active = None
@@ -476,6 +530,12 @@ class Audit:
     def _record_sync(self, counter, kind, op, t):
         dev = str(t.device) if isinstance(t, _torch.Tensor) else "?"
         counter[Sync(kind, op, dev, self._site())] += 1
+
+    def _record_list_call(self, op, list_args, args, kwargs):
+        lists = [args[i] if i < len(args) else kwargs.get(name) for i, name in list_args]
+        with _torch._C.DisableTorchFunction():
+            numels = _run_lengths(int(t.numel()) for t in (lists[0] or ()))
+        self.list_calls[ListCall(op, sum(1 for x in lists if x), numels)] += 1
 
     def _record_read(self, kind, t, error):
         with _torch._C.DisableTorchFunction():
@@ -571,12 +631,18 @@ class Audit:
             "num_host_reads": self.num_host_reads,
             "num_device_reads": self.num_device_reads,
             "ops": dict(self.ops.most_common()),
+            "view_ops": dict(self.view_ops.most_common()),
             "syncs": syncs(self.syncs),
             "implicit_syncs": syncs(self.implicit_syncs),
             "host_reads": [
                 {"count": n, "kind": r.kind, "memory": r.memory, "device": r.device,
                  "dtype": r.dtype, "shape": list(r.shape), "error": r.error, **site(r.site)}
                 for r, n in _sorted(self.host_reads)
+            ],
+            "list_calls": [
+                {"count": n, "op": c.op, "lists": c.lists, "tensors": c.num_tensors,
+                 "elements": c.num_elements, "numels": [list(r) for r in c.numels]}
+                for c, n in sorted(self.list_calls.items(), key=lambda kv: (-kv[1], kv[0].op))
             ],
         }
 
@@ -659,6 +725,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead")
     p.add_argument("--skip", action="append", default=[], metavar="FRAGMENT",
                    help="path fragment of frames to skip when attributing call sites (repeatable)")
+    p.add_argument("--model", action="store_true",
+                   help="instead of running a script, print the host-cost model "
+                        "(leanstep.hostcost): host time per step on an accelerator from "
+                        "launches and syncs; must come first, its options after it "
+                        "(python -m leanstep.audit --model --help)")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     return p
@@ -667,7 +738,15 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list] = None) -> int:
     import runpy
 
-    opts = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and (argv[0] == "--model" or argv[0].startswith("--model-from")):
+        from leanstep.hostcost import main as model_main
+
+        return model_main(argv[1:] if argv[0] == "--model" else argv)
+    parser = _parser()
+    opts = parser.parse_args(argv)
+    if opts.model:
+        parser.error("argument --model: must be the first argument (got it after others)")
     script = opts.script
     old_argv, old_path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = [script] + list(opts.args)

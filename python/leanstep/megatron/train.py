@@ -543,7 +543,9 @@ def audit_conditions(trainer, say, ep):
         audits[condition] = {"ops": a.num_ops, "view_ops": a.num_view_ops,
                              "syncs": a.num_syncs, "host_reads": a.num_host_reads,
                              "device_reads": a.num_device_reads,
-                             "top_syncs": [[str(k.site), n] for k, n in a.syncs.most_common(4)]}
+                             "top_syncs": [[str(k.site), n] for k, n in a.syncs.most_common(4)],
+                             # all of it, for the host-cost model (--model-from)
+                             "report": a.to_dict()}
     say(f"[ep {ep}] audited one step per condition")
     return audits
 
