@@ -223,6 +223,9 @@ void clip(std::span<const Tensor> grads, const Tensor& total_norm, double max_no
 void norm_clip(std::span<const Tensor> grads, double max_norm, const Tensor& out_norm, double norm_type = 2.0,
                const Tensor* found_inf = nullptr, const Tensor* out_coeff = nullptr, comm::Communicator* comm = nullptr);
 void count_zeros(std::span<const Tensor> grads, const Tensor& out_count, comm::Communicator* comm = nullptr);
+// Tensor by tensor in list order (a view listed twice is scaled twice), each
+// value rounded once as the fused scale does (fp64 values scaled in double).
+void scale(std::span<const Tensor> grads, float scale);
 // Pairs in list order; each pair reads its whole input (into a temporary) before writing.
 void multi_tensor_scale(std::span<const Tensor> in, std::span<const Tensor> out, float scale, const Tensor& found_inf);
 

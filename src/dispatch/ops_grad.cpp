@@ -67,10 +67,9 @@ void norm_clip_reference(const grad::PlanView& plan, double max_norm, const Tens
 // Like the frameworks' fallback: the scale is read on the host, then each view
 // is scaled in place in list order (a view listed twice is scaled twice).
 void scale_reference(const grad::PlanView& plan, const Tensor& scale, const dispatch::Context&) {
-  const float s = static_cast<float>(read_scalar(scale));
-  float found = 0.0f;
-  const Tensor found_inf(&found, DType::kFloat32, {1});
-  grad::reference::multi_tensor_scale(plan.views(), plan.views(), s, found_inf);
+  // Not through multi_tensor_scale's reference: that one computes in fp32 for
+  // every dtype (its semantics), which rounded fp64 grads to fp32.
+  grad::reference::scale(plan.views(), static_cast<float>(read_scalar(scale)));
 }
 void count_zeros_reference(const grad::PlanView& plan, const Tensor& out_count, comm::Communicator* comm,
                            const dispatch::Context&) {

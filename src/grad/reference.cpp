@@ -181,6 +181,12 @@ void count_zeros(std::span<const Tensor> grads, const Tensor& out_count, comm::C
   *out_count.data_as<int64_t>() = total;
 }
 
+void scale(std::span<const Tensor> grads, float scale) {
+  check_grads_in_place(grads, "grad::reference::scale");
+  for (const Tensor& t : grads)
+    if (!t.empty()) tensor_pass(t, NormKind::kNone, 2.0, true, scale);
+}
+
 void multi_tensor_scale(std::span<const Tensor> in, std::span<const Tensor> out, float scale,
                         const Tensor& found_inf) {
   static constexpr const char* kWhere = "grad::reference::multi_tensor_scale";

@@ -219,6 +219,9 @@ std::vector<GradShape> grad_shapes() {
       {"mixed dtypes, odd sizes, an empty view",
        {{DType::kFloat32, {17, 0, 70001, 3}}, {DType::kBFloat16, {1025, 9}}, {DType::kFloat16, {4099}}},
        false, false},
+      // fp64 grads are scaled in double by every implementation (the reference
+      // scale once went through multi_tensor_scale's fp32 arithmetic).
+      {"fp64 and fp32 grads", {{DType::kFloat64, {1000, 7}}, {DType::kFloat32, {33}}}, false, false},
       {"with a strided view", {{DType::kFloat32, {31, 4097}}}, true, false},
       {"only a strided view", {}, true, false},
       {"a non-finite value", {{DType::kFloat32, {100, 2000}}, {DType::kBFloat16, {77}}}, false, true},

@@ -879,11 +879,9 @@ SPECS = {"grad": GradSpec(), "rmsnorm": RMSNormSpec(), "moe": MoESpec()}
 #: backends, why). Their cases are strict xfails, so a fix makes them fail
 #: until the entry is removed.
 KNOWN_DISAGREEMENTS = [
-    ("grad.scale", torch.float64, ("cpu-fast", "torch", "triton"),
-     "fp64 grads: the C++ reference of grad.scale (src/dispatch/ops_grad.cpp scale_reference, "
-     "through reference::multi_tensor_scale) rounds each value to fp32 and scales in fp32; "
-     "the fused kernel, the torch-op and the Triton backends scale in double (scale_round, as "
-     "the references of clip and unscale do)"),
+    # None now. The first found: grad.scale on fp64 grads, whose C++ reference went
+    # through multi_tensor_scale's fp32 arithmetic while the fused kernel, the
+    # torch-op and the Triton backends scale in double (fixed in the reference).
 ]
 
 #: Interpreted Triton runs programs one after the other, so its largest MoE

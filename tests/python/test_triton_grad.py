@@ -582,6 +582,13 @@ def test_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
     monkeypatch.setattr(triton_grad.TritonGradPlan, "clip", clip_off_by_one_bit)
     assert re.fullmatch(r"the grad self-check failed: clipped grads\[\d\] differs from the "
                         r"torch-op backend", triton_selfcheck.check("grad", DEVICE))
+    # The check runs the kernels whatever the preset: through GradPlan, "baseline"
+    # sent its Triton calls to the torch-op code, which then agreed with itself.
+    leanstep.set_preset("baseline")
+    try:
+        assert "clipped grads" in triton_selfcheck.check("grad", DEVICE)
+    finally:
+        leanstep.set_preset("all")
     monkeypatch.setattr(triton_grad.TritonGradPlan, "unscale", lambda *a: 1 / 0)
     assert "the grad self-check raised ZeroDivisionError" in triton_selfcheck.check("grad", DEVICE)
 
