@@ -15,6 +15,9 @@ imported it by name):
   ``count_zeros_fp32`` (module :mod:`leanstep.megatron.grad`);
 - ``optimizer.optimizer.MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan``:
   unscale and the non-finite check in one pass;
+- ``distributed``: ``_ParamAndGradBucketGroup.check_grads`` and
+  ``DistributedDataParallel.finish_grad_sync``: the DDP NaN/Inf grad check with
+  one host read per gradient sync (:mod:`leanstep.megatron.ddp`);
 - ``transformer.moe.moe_utils``: ``permute``, ``unpermute``, ``sort_chunks_by_idxs``,
   ``pad_routing_map`` (:mod:`leanstep.megatron.moe`);
 - ``transformer.torch_norm.WrappedTorchNorm.__new__``: RMSNorm modules become
@@ -35,6 +38,7 @@ a single process is assumed (the originals would raise).
 """
 
 from . import _patching
+from . import ddp as _ddp_patches
 from . import grad as _grad_patches
 from . import moe as _moe_patches
 from . import norm as _norm_patches
@@ -45,7 +49,7 @@ __all__ = ["install", "uninstall", "report", "format_report", "installed", "inst
            "set_active", "active", "reset_call_counts", "convert_norms", "PATCHES", "FAMILIES"]
 
 #: Every patch, in install order.
-PATCHES = _grad_patches.SPECS + _moe_patches.SPECS + _norm_patches.SPECS
+PATCHES = _grad_patches.SPECS + _ddp_patches.SPECS + _moe_patches.SPECS + _norm_patches.SPECS
 
 
 def install(patches=None):
@@ -62,10 +66,16 @@ def install(patches=None):
 def uninstall(patches=None):
     """Restores the original objects wherever a patch set its replacement and
     it is still there; a target that another patch replaced after install is
-    left as it is (and the report says so). Returns :func:`report`."""
+    left as it is (and the report says so). Returns :func:`report`. DDP grad
+    checks still queued are read after the restore (and raise Megatron's
+    error for a NaN or Inf norm): uninstall never drops one."""
+    names = _patching.check_names(patches, PATCHES, "uninstall")
+    ddp_names = {spec.name for spec in _ddp_patches.SPECS}
+    queued = _ddp_patches.take_pending() if names is None or ddp_names & set(names) else []
     _patching.uninstall(PATCHES, patches)
     if not _patching.installed():
         _grad_patches.plans.clear()
+    _ddp_patches.check_pending(queued)
     return report()
 
 

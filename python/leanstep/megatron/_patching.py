@@ -39,10 +39,12 @@ class Variant:
 class Spec:
     """One patch: function `attr` of module `home` (or, with `class_attr`, a
     method of that class), the variants it supports, the modules known to
-    import it by name, and its op in the vocabulary (the preset switches it)."""
+    import it by name, and its op in the vocabulary (the preset switches it).
+    ``requires``: the name of a patch installed before it that it cannot work
+    without (it is skipped, with the reason, when that one is not installed)."""
 
     def __init__(self, name, op, home, attr, variants, alias_modules=(), class_attr=None,
-                 requires_area=None, host_read=None):
+                 requires_area=None, host_read=None, requires=None):
         self.name = name
         self.op = op  # its name in the op vocabulary: the preset switches it
         self.home = home
@@ -52,6 +54,7 @@ class Spec:
         self.class_attr = class_attr
         self.requires_area = requires_area
         self.host_read = host_read  # what host read the installed API itself needs, if any
+        self.requires = requires
 
 
 def match_variant(func, spec):
@@ -226,6 +229,12 @@ def _home_owner(spec):
 def _prepare(spec):
     if spec.requires_area and spec.requires_area not in _leanstep.areas:
         return None, f"leanstep was built without the '{spec.requires_area}' area"
+    if spec.requires:
+        needed = _installed.get(spec.requires)
+        if needed is None or not _still_ours(needed):
+            why = _skipped.get(spec.requires)
+            return None, f"needs patch {spec.requires}, which is not installed" + (
+                f" ({why})" if why else "")
     home, err = _import(spec.home)
     if home is None:
         return None, f"cannot import {spec.home} ({err})"
