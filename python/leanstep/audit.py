@@ -78,6 +78,8 @@ import traceback
 import types
 from typing import Callable, Iterable, NamedTuple, Optional, Union
 
+from ._leanstep import Error
+
 __all__ = ["Audit", "CallSite", "HostRead", "ListCall", "Sync", "audit", "main"]
 
 _THIS_FILE = os.path.normcase(os.path.abspath(__file__))
@@ -566,8 +568,6 @@ class Audit:
         fmode.active = dmode.active = False  # nothing counts after the block, whatever the stacks hold
         problems = _remove_modes(fmode, dmode)
         if problems:
-            from leanstep._leanstep import Error
-
             raise Error(
                 f"leanstep.audit: {' and '.join(problems)} {'was' if len(problems) == 1 else 'were'} "
                 f"no longer on torch's mode stack "

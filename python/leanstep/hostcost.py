@@ -49,6 +49,9 @@ import math
 import sys
 from typing import Optional
 
+import leanstep
+
+from . import audit as la
 from ._leanstep import Error
 
 __all__ = ["CostParams", "DEFAULTS", "SEED_LAYOUT", "SEED_PATHS", "audit_seed_layout",
@@ -328,14 +331,10 @@ SEED_LAYOUT_OPTIONS = {"distributed_optimizer": True, "dp_size": 8, "bucket_size
 def seed_layout_params():
     """The seed layout's parameter list (registration order), as
     ``leanstep.ddp_grad_buffers`` takes it: 3168 LoRA tensors."""
-    import leanstep
-
     return leanstep.model_params("qwen3_omni_lora", 8, 8)
 
 
 def _seed_grads(device):
-    import leanstep
-
     buffers, grads, _ = leanstep.ddp_grad_buffers(seed_layout_params(), device=device,
                                                   **SEED_LAYOUT_OPTIONS)
     return buffers, grads
@@ -384,8 +383,6 @@ def seed_layout_paths(grads) -> dict:
     calls."""
     import torch
 
-    import leanstep
-
     params = []
     for g in grads:  # zero-stride stand-ins (no memory) whose .grad are the views
         p = torch.nn.Parameter(torch.zeros(1).expand(g.shape))
@@ -410,8 +407,6 @@ def audit_seed_layout(paths=None) -> dict:
     max_norm scalar later calls reuse, as every step after the first does).
     Returns ``{layout, grads, buffers, elements, reports:
     {name: Audit.to_dict()}}``."""
-    import leanstep.audit as la
-
     names = list(SEED_PATHS) if paths is None else list(paths)
     unknown = sorted(set(names) - set(SEED_PATHS))
     if unknown:

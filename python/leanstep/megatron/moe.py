@@ -17,6 +17,7 @@ import os
 import torch
 
 from .. import _backend, _registry
+from .. import torch as lt
 from . import _patching
 from ._patching import EMPTY, Spec, Variant
 
@@ -137,7 +138,6 @@ def _host_rows(num_out_tokens, device):
 
 
 def _make_permute(original, spec, five_tuple=False):
-    from .. import torch as lt
     from .._moe import moe_permute
 
     def run(tokens, routing_map, probs, num_out_tokens, fused, drop_and_pad, call_original):
@@ -209,7 +209,6 @@ def _make_permute(original, spec, five_tuple=False):
 
 
 def _make_unpermute(original, spec, with_pad_offsets=False):
-    from .. import torch as lt
     from .._moe import moe_unpermute
 
     def run(permuted_tokens, sorted_indices, restore_shape, probs, routing_map, fused,
@@ -272,7 +271,6 @@ def _make_unpermute(original, spec, with_pad_offsets=False):
 
 
 def _make_sort_chunks_by_idxs(original, spec):
-    from .. import torch as lt
     from .._moe import sort_chunks_by_idxs as ls_sort_chunks
 
     @functools.wraps(original)

@@ -12,6 +12,7 @@ runs torch's forward.
 import torch
 
 from .. import _dispatch
+from .. import torch as lt
 from . import _patching
 from ._patching import EMPTY, Spec, Variant
 
@@ -23,8 +24,6 @@ def _rmsnorm_active():
 
 
 def _make_wrapped_torch_norm_new(original, spec):
-    from .. import torch as lt
-
     def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
                 zero_centered_gamma=False, normalization="LayerNorm"):
         module = original(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma,
@@ -51,8 +50,6 @@ def convert_norms(model):
     before patches can be installed (ms-swift's callbacks). A module with
     hooks of its own is left as it is (a replacement would drop them).
     Returns the number of modules replaced."""
-    from .. import torch as lt
-
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

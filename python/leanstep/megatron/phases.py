@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from .. import torch as lt
 from . import grad as _grad
 from . import moe as _moe
 
@@ -179,8 +180,6 @@ class PhaseTimers:
         # The module's forward is wrapped per instance, not hooked: leanstep's RMSNorm
         # hands a module with hooks to torch (a feature it does not model), so hooks
         # would change what is timed.
-        from .. import torch as lt
-
         for name, module in model.named_modules():
             if not isinstance(module, (torch.nn.RMSNorm, lt.RMSNorm)):
                 continue
