@@ -933,6 +933,162 @@ def test_conformance(case, backend, backend_ready):
     conform(case, backend)
 
 
+# ---------------------------------------------------------------- one rule on every backend
+# Arguments every backend must refuse with the C++ kernels' rule (run on
+# metadata by the device backends), and the edge every backend must take
+# alike (max_norm = 0 zeroes the grads). The same calls on every backend:
+# cpu, torch (forced on CPU tensors), meta (the torch-op backend, no data)
+# and triton (interpreted).
+
+RULE_BACKENDS = ("cpu", "torch", "meta", "triton")
+#: The MoE ops without Triton kernels: a forced Triton call is refused for that.
+_NO_TRITON_MOE = ("permute_probs_backward", "unpermute_backward", "pad_routing_map",
+                  "sort_chunks")
+
+
+def _rule_setting(backend):
+    """(device of the tensors, backend= of the calls) for a rule backend."""
+    return {"cpu": ("cpu", "cpu"), "torch": ("cpu", "torch"), "meta": ("meta", "torch"),
+            "triton": (TRITON_DEVICE, "triton")}[backend]
+
+
+def grad_rule_calls(gen, device):
+    """(name, call(backend), message) of GradPlan arguments every backend refuses."""
+    grads = [torch.randn(37, generator=gen).to(device), torch.randn(5, 3, generator=gen).to(device)]
+
+    def plan(b):
+        return leanstep.GradPlan(grads, backend=b)
+
+    def norm(b):
+        return plan(b), torch.ones(1, device=device)
+
+    calls = []
+    for bad, shown in [(-1.0, r"\(got -1\)"), (float("nan"), r"\(got nan\)"),
+                       (float("inf"), r"\(got inf\)")]:
+        calls += [(f"clip max_norm={bad}", lambda b, v=bad: (lambda p, n: p.clip_(v, n))(*norm(b)),
+                   r"clip: argument 'max_norm' must be finite and >= 0 " + shown),
+                  (f"norm_clip max_norm={bad}", lambda b, v=bad: plan(b).norm_clip_(v),
+                   r"norm_clip: argument 'max_norm' must be finite")]
+    f64, i32 = torch.float64, torch.int32
+    calls += [
+        ("clip max_norm str", lambda b: (lambda p, n: p.clip_("1.0", n))(*norm(b)),
+         r"clip: argument 'max_norm' must be a real number \(got str\)"),
+        ("norm out fp64", lambda b: plan(b).norm(out=torch.zeros(1, dtype=f64, device=device)),
+         r"'out(_norm)?' must have dtype"),
+        ("norm out [2]", lambda b: plan(b).norm(out=torch.zeros(2, device=device)),
+         r"'out(_norm)?' must have exactly 1 element \(got 2\)"),
+        ("norm found_inf int32",
+         lambda b: plan(b).norm(found_inf=torch.zeros(1, dtype=i32, device=device)),
+         r"'found_inf' must have dtype"),
+        ("count_zeros out fp32", lambda b: plan(b).count_zeros(out=torch.zeros(1, device=device)),
+         r"'out(_count)?' must have dtype"),
+        ("unscale found_inf [3]",
+         lambda b: plan(b).unscale_(0.5, found_inf=torch.zeros(3, device=device)),
+         r"'found_inf' must have exactly 1 element"),
+    ]
+    return calls
+
+
+def rmsnorm_rule_calls(gen, device):
+    """(name, call(backend), message) of RMSNorm arguments every backend refuses."""
+    x = torch.randn(4, 8, generator=gen).to(device)
+    w = torch.ones(8, device=device)
+    rstd = torch.ones(4, device=device)
+    dy = torch.randn(4, 8, generator=gen).to(device)
+    fwd = leanstep.rms_norm
+    return [
+        ("weight [1]", lambda b: fwd(x, torch.ones(1, device=device), 1e-6, backend=b),
+         r"argument 'gamma' must have shape \[8\] \(H of x\) \(got \[1\]\)"),
+        ("rounding misspelt", lambda b: fwd(x, w, 1e-6, rounding="scale_than_cast", backend=b),
+         r"must be scale_then_cast or cast_then_scale \(got 'scale_than_cast'\)"),
+        ("eps -1", lambda b: fwd(x, w, -1.0, backend=b),
+         r"argument 'eps' must be finite and >= 0 \(got -1\)"),
+        ("eps nan", lambda b: fwd(x, w, float("nan"), backend=b),
+         r"argument 'eps' must be finite and >= 0 \(got nan\)"),
+        ("x int32", lambda b: fwd(x.to(torch.int32), w, 1e-6, backend=b),
+         r"argument 'x' must have dtype"),
+        ("x strided", lambda b: fwd(x.t(), w[:4], 1e-6, backend=b),
+         r"argument 'x' must be contiguous"),
+        ("backward weight [1]",
+         lambda b: leanstep.rms_norm_backward(dy, x, rstd, torch.ones(1, device=device),
+                                              backend=b),
+         r"argument 'gamma' must have shape \[8\]"),
+        ("backward rstd short",
+         lambda b: leanstep.rms_norm_backward(dy, x, rstd[:3], w, backend=b),
+         r"argument 'rstd' must have one element per row"),
+        ("backward dy short", lambda b: leanstep.rms_norm_backward(dy[:3], x, rstd, w, backend=b),
+         r"argument 'dy' must have the shape of x"),
+    ]
+
+
+@pytest.mark.parametrize("backend", RULE_BACKENDS)
+def test_every_backend_refuses_bad_arguments_with_the_cpp_rule(backend, backend_ready):
+    from helpers import moe_hostile_calls
+
+    gen = torch.Generator().manual_seed(SEED)
+    device, forced = _rule_setting(backend)
+    calls = grad_rule_calls(gen, device) + rmsnorm_rule_calls(gen, device)
+    for name, call, message in moe_hostile_calls(gen, device=device):
+        if backend == "triton" and name.startswith(_NO_TRITON_MOE):
+            continue  # refused for having no kernels, not for the rule
+        calls.append((name, call, message))
+    for name, call, message in calls:
+        with pytest.raises(leanstep.Error, match=message):
+            call(forced)
+            pytest.fail(f"{name}: accepted on {backend} (seed {SEED})")
+    assert len(calls) >= (40 if backend == "triton" else 50)
+
+
+@pytest.mark.parametrize("backend", RULE_BACKENDS)
+def test_max_norm_zero_zeroes_the_grads_on_every_backend(backend, backend_ready):
+    # The C++ rule (grad::check_max_norm) takes 0: every backend clips to zero,
+    # as torch's clip_grad_norm_ does (the device backends once refused it).
+    gen = torch.Generator().manual_seed(SEED)
+    device, forced = _rule_setting(backend)
+    grads = [torch.randn(37, generator=gen).to(device), torch.randn(5, 3, generator=gen).to(device)]
+    plan = leanstep.GradPlan(grads, backend=forced)
+    norm, _ = plan.norm()
+    coeff = plan.clip_(0.0, norm)
+    norm2, _, coeff2 = plan.norm_clip_(0.0)
+    if backend == "meta":
+        assert coeff.shape == coeff2.shape == (1,) and coeff.device.type == "meta"
+        return
+    assert coeff.item() == 0.0 and coeff2.item() == 0.0 and norm2.item() == 0.0
+    assert all(bool((g == 0).all()) for g in grads)
+
+
+def test_the_baseline_preset_turns_every_fast_path_off_on_every_backend(monkeypatch):
+    # Triton made "usable" for meta tensors, so the registry's choice itself is
+    # tested for every op: under "baseline" no call runs Triton, automatic or
+    # forced, and the report says why; under "all" the automatic choice is Triton
+    # wherever the op has kernels.
+    from leanstep import _backend, _registry
+
+    monkeypatch.setattr(_backend, "triton_unusable", lambda device: None)
+    monkeypatch.setattr(_backend, "triton_self_check", lambda family, device: None)
+    monkeypatch.delenv("LEANSTEP_TRITON", raising=False)
+    x = [torch.empty(4, 8, device="meta")]
+    with_kernels = [op for op, spec in _registry.REGISTRY.items()
+                    if "triton" in spec.implementations and op in leanstep.ops()]
+    assert len(with_kernels) >= 12
+    supports_args = {"grad.multi_tensor_scale": {"src": x, "dst": x}}
+    try:
+        for op in with_kernels:
+            args = supports_args.get(op)
+            assert _registry.choose(op, x, None, None, "t", args=args)[0] == "triton", op
+        leanstep.set_preset("baseline")
+        for op in with_kernels:
+            args = supports_args.get(op)
+            assert _registry.choose(op, x, None, None, "t", args=args) == (
+                "torch", f"meta tensors; the preset switches {op} off"), op
+            assert _registry.choose(op, x, None, "triton", "t", args=args) == (
+                "torch", f"forced; the preset switches {op} off"), op
+        report = leanstep.paths()["ops"]
+        assert not any(entry["fast_paths_enabled"] for entry in report.values())
+    finally:
+        leanstep.set_preset("all")
+
+
 def test_triton_cases_in_a_fresh_interpreter_process():
     """The triton cases in a process whose triton is interpreted, when this
     one imported triton for a device (megatron-core does): the same seed."""
