@@ -3,7 +3,7 @@
 # installs nothing.
 #
 #   0. the host cost of a launch and of a sync (1000 tiny launches, 200 .item() reads), printed
-#      as the host-cost model's flags: python -m leanstep.audit --model --launch-us X --sync-us Y;
+#      as the host-cost model's flags: python -m leanstep.hostcost --launch-us X --sync-us Y;
 #   1. the Triton tests natively: LEANSTEP_TEST_DEVICE=cuda pytest tests/python/test_triton_*.py
 #      (the Triton side on the GPU, compiled; the C++ path and the float64 oracle on the CPU);
 #   2. bench/gpu_check.py: norm + clip on the Qwen3-Omni LoRA layout (leanstep Triton, the

@@ -56,9 +56,8 @@ Overhead: every aten op and every torch function call goes through a Python
 handler (microseconds each), and each sync or read walks the Python stack. The
 audit is for counting, not for timing.
 
-Command line: ``python -m leanstep.audit --model [options]`` prints the
-host-cost model (``leanstep.hostcost``) instead of running a script.
-``python -m leanstep.audit [--json] [--top N] [-o FILE] script.py
+Command line (the host-cost model over these counts is
+``python -m leanstep.hostcost``): ``python -m leanstep.audit [--json] [--top N] [-o FILE] script.py
 [args...]`` runs the script as ``__main__`` (``sys.argv`` set to the script and
 its arguments) under one audit, then writes the table to stderr, or with
 ``--json`` one line of JSON to stdout after the script's own output and a
@@ -725,11 +724,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead")
     p.add_argument("--skip", action="append", default=[], metavar="FRAGMENT",
                    help="path fragment of frames to skip when attributing call sites (repeatable)")
-    p.add_argument("--model", action="store_true",
-                   help="instead of running a script, print the host-cost model "
-                        "(leanstep.hostcost): host time per step on an accelerator from "
-                        "launches and syncs; must come first, its options after it "
-                        "(python -m leanstep.audit --model --help)")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     return p
@@ -739,14 +733,8 @@ def main(argv: Optional[list] = None) -> int:
     import runpy
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and (argv[0] == "--model" or argv[0].startswith("--model-from")):
-        from leanstep.hostcost import main as model_main
-
-        return model_main(argv[1:] if argv[0] == "--model" else argv)
     parser = _parser()
     opts = parser.parse_args(argv)
-    if opts.model:
-        parser.error("argument --model: must be the first argument (got it after others)")
     script = opts.script
     old_argv, old_path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = [script] + list(opts.args)

@@ -31,9 +31,9 @@ fixed round trip; the device idling while the host waits, and the host no
 longer running ahead, come on top: for a step bound by the host, a sync costs
 more than this.
 
-Command line: ``python -m leanstep.audit --model [--device-kind cuda|npu]
+Command line: ``python -m leanstep.hostcost [--device-kind cuda|npu]
 [--launch-us X] [--sync-us Y] [--foreach-tensors N] [--foreach-blocks N]
-[--model-from RESULTS.json] [--json]`` (also ``python -m leanstep.hostcost``):
+[--model-from RESULTS.json] [--json]``:
 the model for the Qwen3-Omni-30B-A3B LoRA EP8 rank layout (3168 fp32 grads),
 the per-tensor gradient paths against leanstep's ``GradPlan.norm_clip_``, each
 audited here on CPU tensors; with ``--model-from``, for the per-condition
@@ -515,7 +515,7 @@ def format_table(rows, low: CostParams, high: Optional[CostParams], title: str,
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m leanstep.audit --model",
+        prog="python -m leanstep.hostcost",
         description="The host-cost model (a model, not a measurement): host time per step "
                     "from the audit's launches and syncs and per-launch / per-sync costs, for "
                     "the Qwen3-Omni-30B-A3B LoRA EP8 rank layout (3168 grads: per-tensor "

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import leanstep
-import leanstep.audit as la
 from leanstep import hostcost as hc
 
 CHUNK = 65536
@@ -235,7 +234,7 @@ def test_hostcost_imports_neither_torch_nor_the_megatron_patches():
 
 
 def test_cli_on_the_seed_layout():
-    out = subprocess.run([sys.executable, "-m", "leanstep.audit", "--model", "--launch-us", "5",
+    out = subprocess.run([sys.executable, "-m", "leanstep.hostcost", "--launch-us", "5",
                           "--sync-us", "20", "--json"], capture_output=True, text=True,
                          check=True, timeout=120).stdout
     d = json.loads(out.strip().splitlines()[-1])
@@ -275,22 +274,19 @@ def test_cli_text_and_flag_errors(monkeypatch, capsys):
     monkeypatch.setattr(hc, "audit_seed_layout", lambda: {
         "layout": hc.SEED_LAYOUT, "grads": 8, "buffers": 1, "elements": 80,
         "reports": {"torch-per-tensor": base, "leanstep": lean}})
-    assert la.main(["--model", "--device-kind", "npu"]) == 0
+    assert hc.main(["--device-kind", "npu"]) == 0
     text = capsys.readouterr().out
     assert "a model, not a measurement" in text
     # npu: launch 4-10 us, sync 19-30 us; 8 launches + 1 sync against 2 launches
     assert "launch 4-10 us, sync 19-30 us" in text
     assert (f"saving of leanstep against torch-per-tensor: {(6 * 4 + 19) / 1000:.2f}-"
             f"{(6 * 10 + 30) / 1000:.2f} ms") in text
-    for argv, flag in ((["--model", "--launch-us", "-3"], "--launch-us"),
-                       (["--model", "--sync-us", "nan"], "--sync-us")):
+    for argv, flag in ((["--launch-us", "-3"], "--launch-us"),
+                       (["--sync-us", "nan"], "--sync-us")):
         with pytest.raises(SystemExit) as e:
-            la.main(argv)
+            hc.main(argv)
         assert e.value.code == 2
         assert f"argument {flag}: must be a finite number >= 0" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        la.main(["--json", "--model", "x.py"])
-    assert "--model: must be the first argument" in capsys.readouterr().err
 
 
 def test_cli_model_from_main_job_results(tmp_path, capsys):
@@ -311,18 +307,18 @@ def test_cli_model_from_main_job_results(tmp_path, capsys):
                               "grad": {"ops": 20, "view_ops": 10, "syncs": 3}}}}}}
     path = tmp_path / "results.json"
     path.write_text(json.dumps(results))
-    assert la.main(["--model-from", str(path), "--launch-us", "1", "--sync-us", "10",
+    assert hc.main(["--model-from", str(path), "--launch-us", "1", "--sync-us", "10",
                     "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     s1 = d["EP 1, rank 0"]["grad"]["saving"]
     assert (s1["launches"], s1["syncs"], s1["host_us"]) == (30, 1, 30 * 1 + 10)
     s2 = d["EP 2, rank 0"]["grad"]["saving"]  # summary counts: ops - views - syncs
     assert (s2["launches"], s2["syncs"]) == ((50 - 10 - 4) - (20 - 10 - 3), 1)
-    assert la.main(["--model-from", str(path)]) == 0
+    assert hc.main(["--model-from", str(path)]) == 0
     text = capsys.readouterr().out
     assert "EP 1, rank 0" in text and "96 trainable tensors on this rank" in text
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"ep": {}}))
     with pytest.raises(SystemExit):
-        la.main(["--model-from", str(bad)])
+        hc.main(["--model-from", str(bad)])
     assert "no ep.*.audit found" in capsys.readouterr().err
