@@ -189,7 +189,15 @@ Grads make_grads(const GradShape& shape, uint64_t seed) {
     for (int64_t s : sizes) total += s;
     g.storage.emplace_back(dtype, std::initializer_list<int64_t>{total});
     Buffer& b = g.storage.back();
-    fill_normal(b.view(), rng, 0.0, 0.5);
+    if (dtype == DType::kFloat64) {
+      // Uniform in [-0.5, 0.5) with all 53 bits from the generator: normal_distribution
+      // goes through log and sqrt, whose last bit differs between libms (aarch64 vs
+      // x86-64), and fp64 keeps that bit, so the cross-architecture digests would differ.
+      for (int64_t i = 0; i < total; ++i)
+        store_from_double(b.data(), dtype, i, static_cast<double>(rng() >> 11) * 0x1p-53 - 0.5);
+    } else {
+      fill_normal(b.view(), rng, 0.0, 0.5);
+    }
     for (int64_t i = 0; i < total; i += 7) store_from_double(b.data(), dtype, i, 0.0);  // zeros to count
     int64_t at = 0;
     for (int64_t s : sizes) {
