@@ -88,6 +88,12 @@ _MAX_TENSORS = (110, 64, 48, 36, 30)
 _MAX_TENSORS_SCALAR_LIST = (96, 64, 48, 36, 30)
 
 
+def _check_device_kind(device_kind):
+    if device_kind not in DEFAULTS:
+        raise Error(f"leanstep.hostcost: argument device_kind must be one of "
+                    f"{', '.join(sorted(DEFAULTS))} (got {device_kind!r})")
+
+
 @dataclasses.dataclass(frozen=True)
 class CostParams:
     """What one launch and one sync cost the host, in microseconds, and how a
@@ -104,9 +110,7 @@ class CostParams:
     cat_inputs: int = 128            # cat / stack: inputs per launch (CatArrayBatchedCopy)
 
     def __post_init__(self):
-        if self.device_kind not in DEFAULTS:
-            raise Error(f"leanstep.hostcost: argument device_kind must be one of "
-                        f"{', '.join(sorted(DEFAULTS))} (got {self.device_kind!r})")
+        _check_device_kind(self.device_kind)
         for name in ("launch_us", "sync_us"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -133,9 +137,7 @@ class CostParams:
 def default_params(device_kind: str = "cuda", which: str = "low", **overrides) -> CostParams:
     """The published defaults of ``device_kind`` (``which``: ``"low"`` or
     ``"high"`` end of their range), with ``overrides`` applied."""
-    if device_kind not in DEFAULTS:
-        raise Error(f"leanstep.hostcost: argument device_kind must be one of "
-                    f"{', '.join(sorted(DEFAULTS))} (got {device_kind!r})")
+    _check_device_kind(device_kind)
     if which not in ("low", "high"):
         raise Error(f"leanstep.hostcost: argument which must be 'low' or 'high' (got {which!r})")
     i = 0 if which == "low" else 1

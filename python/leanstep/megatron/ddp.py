@@ -91,22 +91,15 @@ def check_pending(pending=None):
     for _, norms, _ in pending:
         # Megatron's check_grads, call for call (check_for_large excluded: delegated).
         for i, grad_norm in enumerate(norms):
-            state.validate_result(
-                result=grad_norm,
-                rejection_func=torch.isnan,
-                message=f"found NaN in local grad norm for bucket #{i} "
-                f"in backward pass before data-parallel communication collective",
-                tolerance=0.001,  # 0.1% tolerance to account for non-deterministic FA backward
-                fatal=True,
-            )
-            state.validate_result(
-                result=grad_norm,
-                rejection_func=torch.isinf,
-                message=f"found Inf in local grad norm for bucket #{i} "
-                f"in backward pass before data-parallel communication collective",
-                tolerance=0.001,  # 0.1% tolerance to account for non-deterministic FA backward
-                fatal=True,
-            )
+            for rejection_func, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+                state.validate_result(
+                    result=grad_norm,
+                    rejection_func=rejection_func,
+                    message=f"found {what} in local grad norm for bucket #{i} "
+                    f"in backward pass before data-parallel communication collective",
+                    tolerance=0.001,  # Megatron's: non-deterministic FA backward
+                    fatal=True,
+                )
     return True
 
 
