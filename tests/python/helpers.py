@@ -1,5 +1,9 @@
 """Oracles and tolerances shared by the Python tests."""
 
+import contextlib
+import os
+import socket
+
 import numpy as np
 import torch
 
@@ -15,6 +19,29 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat1
 # smallest normal, an ulp stops shrinking with |v| and stays this wide.
 SUBNORMAL_SPACING = {torch.float32: 2.0**-149, torch.float16: 2.0**-24,
                      torch.bfloat16: 2.0**-133, torch.float64: 2.0**-1074}
+
+
+def free_port():
+    """A free TCP port on localhost (a gloo rendezvous, a worker's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_rank_gloo():
+    """A one-rank gloo process group on localhost for the block, as Megatron's
+    collectives need one; a group that already exists serves and is left."""
+    if torch.distributed.is_initialized():
+        yield
+        return
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def to_f64(t):

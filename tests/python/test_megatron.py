@@ -4,8 +4,6 @@ signature, and result parity with Megatron-Core's own functions on CPU."""
 
 import inspect
 import math
-import os
-import socket
 import types
 import warnings
 
@@ -14,7 +12,7 @@ import pytest
 import torch
 
 import leanstep
-from helpers import assert_within_ulps, randn, to_f64
+from helpers import assert_within_ulps, one_rank_gloo, randn, to_f64
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 mcore = pytest.importorskip("megatron.core")
@@ -52,17 +50,8 @@ ORIGINAL_NORM_NEW = torch_norm.WrappedTorchNorm.__dict__["__new__"]
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
     """A one-rank gloo group on localhost, as the collectives need one."""
-    if torch.distributed.is_initialized():
+    with one_rank_gloo():
         yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
 
 
 @pytest.fixture

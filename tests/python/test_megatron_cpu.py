@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ import warnings
 
 import pytest
 import torch
+
+from helpers import free_port, one_rank_gloo
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 mcore = pytest.importorskip("megatron.core")
@@ -62,20 +63,8 @@ with mcpu.megatron_on_cpu():
 @pytest.fixture(scope="module")
 def process_group():
     """A one-rank gloo group on localhost, for Megatron's collectives."""
-    if torch.distributed.is_initialized():
+    with one_rank_gloo():
         yield
-        return
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- exact restore

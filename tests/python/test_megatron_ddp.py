@@ -3,14 +3,13 @@ DistributedDataParallel on the CPU (one gloo rank): one host read per gradient
 sync instead of two per bucket, the same grads, Megatron's own error for a NaN
 or Inf bucket, and Megatron's own check where the deferred one cannot stand in."""
 
-import os
-import socket
 import warnings
 
 import pytest
 import torch
 
 import leanstep
+from helpers import one_rank_gloo
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 mcore = pytest.importorskip("megatron.core")
@@ -35,15 +34,7 @@ LAYERS = 4  # 16x16 Linear: 272 params each
 def megatron_ddp_on_cpu():
     """A one-rank gloo group, Megatron's parallel state, and the CPU shims
     (start_grad_sync and validate_result ask torch.cuda for the stream / device)."""
-    own_group = not torch.distributed.is_initialized()
-    if own_group:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    with mcpu.megatron_on_cpu():
+    with one_rank_gloo(), mcpu.megatron_on_cpu():
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         ps.initialize_model_parallel(1, 1)
@@ -51,8 +42,6 @@ def megatron_ddp_on_cpu():
             yield
         finally:
             ps.destroy_model_parallel()
-    if own_group:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ test_expert_parallel_two_ranks starts."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -18,6 +17,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+
+from helpers import free_port, one_rank_gloo
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 mcore = pytest.importorskip("megatron.core")
@@ -161,22 +162,10 @@ def assert_agrees_with_plan(report, model, rank_plan):
 # ---------------------------------------------------------------- fixtures
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
-    if torch.distributed.is_initialized():
+    with one_rank_gloo():
         yield
-        return
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(_free_port())
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
 
 
 @pytest.fixture
@@ -398,7 +387,7 @@ def test_expert_parallel_two_ranks(tmp_path):
     buffers; each EP rank's adapters agree with that rank of the plan (local
     expert indices). At TP 2, apply_lora refuses, naming the module."""
     config_path = write_hf_config(tmp_path / "config.json")
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
                # The leanstep this test imported (installed, or the source tree in development).
                PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(leanstep.__file__)),
