@@ -260,11 +260,26 @@ def empty_cache():
     return _leanstep.host_pool_release_free()
 
 
+#: Callables ``(out, like)`` told of every torch output :func:`empty` makes on
+#: the CPU: :class:`leanstep.audit.DeviceMemory` counts it as device memory when
+#: `like` is (the C++ kernels write it outside torch's dispatcher, where the
+#: tracker cannot see it).
+output_hooks = []
+
+
 def empty(shape, dtype, like):
     """An uninitialised array of `shape` and `dtype` (a name such as
     "bfloat16") in the framework of `like`, on its device. CPU arrays of
     a block (2 MiB on x86-64) or more come from the output pool
     (:func:`output_pool`), or else are advised as huge pages (:func:`set_huge_pages`)."""
+    out = _empty(shape, dtype, like)
+    if output_hooks:
+        for hook in list(output_hooks):
+            hook(out, like)
+    return out
+
+
+def _empty(shape, dtype, like):
     shape = tuple(map(int, shape))
     torch = torch_module()
     torch_like = torch is not None and isinstance(like, torch.Tensor)

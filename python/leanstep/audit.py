@@ -77,9 +77,10 @@ import traceback
 import types
 from typing import Callable, Iterable, NamedTuple, Optional, Union
 
+from . import _arrays
 from ._leanstep import Error
 
-__all__ = ["Audit", "CallSite", "HostRead", "ListCall", "Sync", "audit", "main"]
+__all__ = ["Audit", "CallSite", "DeviceMemory", "HostRead", "ListCall", "Sync", "audit", "main"]
 
 _THIS_FILE = os.path.normcase(os.path.abspath(__file__))
 
@@ -202,6 +203,7 @@ def _load_torch():
     }
     to_fn = T.to
     copy_fn = T.copy_
+    from_data = (torch.tensor, torch.as_tensor)
     aten = torch.ops.aten
     scalar = aten._local_scalar_dense.default
     to_copy = aten._to_copy.default
@@ -219,23 +221,24 @@ def _load_torch():
                     aten._index_put_impl_.default}
     mask_dtypes = (torch.bool, torch.uint8)
 
-    def _to_host(args, kwargs):
+    def _to_host(args, kwargs, memory):
         # Tensor.to(device, ...), to(dtype), to(tensor), to(device=...). A read:
         # a non-CPU tensor moved to the CPU, or a literal "cpu" target. A
         # torch.device or a tensor naming the CPU, applied to a CPU tensor, is
         # not: on a CPU run that is how code moves tensors to their own device
         # (norm.to(grads[0].device) in clip_grad_norm_), a no-op on a GPU.
-        dev = kwargs.get("device")
-        c = dev if dev is not None else (args[1] if len(args) > 1 else None)
-        if isinstance(c, torch.Tensor):
-            c = c.device
-        if isinstance(c, str):
+        # With a DeviceMemory, the stand-in device is the accelerator, and any
+        # other CPU target moves a tensor that holds device memory to the host.
+        target = _to_target(args, kwargs)
+        if memory is not None:
+            return memory._moves_to_host(args[0], target)
+        if isinstance(target, str):
             try:
-                return torch.device(c).type == "cpu"
+                return torch.device(target).type == "cpu"
             except RuntimeError:
                 return False
-        if isinstance(c, torch.device):
-            return c.type == "cpu" and args[0].device.type != "cpu"
+        if isinstance(target, torch.device):
+            return target.type == "cpu" and args[0].device.type != "cpu"
         return False
 
     class _FunctionMode(TorchFunctionMode):
@@ -250,24 +253,35 @@ def _load_torch():
                 return func(*args, **kwargs)
             kind = reads.get(func)
             t = args[0] if args else None
+            if func in from_data and isinstance(t, (list, tuple)):
+                # torch.tensor([t0, t1, ...]) reads each tensor's value on the host,
+                # beneath torch's dispatcher (no aten op shows it).
+                owner = self.owner
+                for x in _tensor_leaves(t, []):
+                    if owner._is_device_memory(x):
+                        owner._record_read("tensor_from_list", x, None)
+                return func(*args, **kwargs)
             if kind is None:
-                if func is to_fn and isinstance(t, torch.Tensor) and _to_host(args, kwargs):
+                memory = self.owner.device_memory
+                if func is to_fn and isinstance(t, torch.Tensor) and _to_host(args, kwargs, memory):
                     kind = "to_cpu"
                 elif (func is copy_fn and len(args) > 1 and isinstance(t, torch.Tensor)
-                      and isinstance(args[1], torch.Tensor) and t.device.type == "cpu"
-                      and args[1].device.type != "cpu"):
+                      and isinstance(args[1], torch.Tensor)
+                      and _copies_to_host(t, args[1], memory)):
                     kind, t = "copy_to_host", args[1]
                 else:
                     return func(*args, **kwargs)
             if not isinstance(t, torch.Tensor):
                 return func(*args, **kwargs)
             error = None
+            self.owner._reading += 1  # the aten-level read under it is this one
             try:
                 return func(*args, **kwargs)
             except BaseException as e:
                 error = type(e).__name__
                 raise
             finally:
+                self.owner._reading -= 1
                 self.owner._record_read(kind, t, error)
 
     class _DispatchMode(TorchDispatchMode):
@@ -296,6 +310,10 @@ def _load_torch():
                 owner._record_list_call(name, lists, args, kwargs)
             if func is scalar:
                 owner._record_sync(owner.syncs, "scalar", name, args[0])
+                if not owner._reading and owner._is_device_memory(args[0]):
+                    # A read no Python-level method made: torch.tensor([t, ...]) of
+                    # device tensors, a C++ caller.
+                    owner._record_read("scalar", args[0], None)
             elif func is to_copy:
                 dev = kwargs.get("device")
                 src = args[0]
@@ -311,6 +329,11 @@ def _load_torch():
                     nb = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
                     kind = "d2h_copy_nonblocking" if nb else "d2h_copy"
                     owner._record_sync(owner.syncs, kind, name, src)
+                memory = owner.device_memory
+                if (memory is not None and not owner._reading and isinstance(src, torch.Tensor)
+                        and isinstance(dst, torch.Tensor) and memory.holds(src)
+                        and not memory.holds(dst)):
+                    owner._record_read("copy_to_host", src, None)
             elif func in data_dependent or (
                 func is repeat_interleave and kwargs.get("output_size") is None
             ):
@@ -323,6 +346,25 @@ def _load_torch():
 
     _modes = (_FunctionMode, _DispatchMode)
     return _modes
+
+
+def _to_target(args, kwargs):
+    """The device (or device string) a ``Tensor.to`` call moves to, else None."""
+    target = kwargs.get("device")
+    if target is None and len(args) > 1:
+        target = args[1]
+    if isinstance(target, _torch.Tensor):
+        with _torch._C.DisableTorchFunction():
+            return target.device
+    return target if isinstance(target, (str, _torch.device)) else None
+
+
+def _copies_to_host(dst, src, memory) -> bool:
+    """Whether ``dst.copy_(src)`` copies device memory into host memory."""
+    with _torch._C.DisableTorchFunction():
+        if memory is not None:
+            return memory.holds(src) and not memory.holds(dst)
+        return dst.device.type == "cpu" and src.device.type != "cpu"
 
 
 def _tensor_list_args(func) -> tuple:
@@ -412,6 +454,256 @@ def _remove_function_mode(fmode) -> bool:
     return True
 
 
+# --- which tensors stand for accelerator memory on a CPU run ---
+
+_memory_modes = None  # (FunctionMode, DispatchMode) classes of DeviceMemory
+
+
+def _tensor_leaves(obj, out):
+    """Appends the tensors in obj (a tensor, or lists / tuples / dicts of them)."""
+    if isinstance(obj, _torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _tensor_leaves(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _tensor_leaves(x, out)
+    return out
+
+
+def _written_args(func) -> tuple:
+    """Positions of the arguments ``func`` writes (its schema's alias
+    annotations with ``!``): in-place and out= ops, foreach ops returning
+    nothing."""
+    return tuple(i for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _load_memory_modes():
+    global _memory_modes
+    if _memory_modes is not None:
+        return _memory_modes
+    _load_torch()
+    torch = _torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    T = torch.Tensor
+    device_getter = torch._C.TensorBase.__dict__["device"]
+    to_fn, cpu_fn, numpy_fn = T.to, T.cpu, T.numpy
+    aten = torch.ops.aten
+    copies = {aten.copy_.default: (1, 0), aten._copy_from.default: (0, 1),
+              aten._copy_from_and_resize.default: (0, 1)}  # op -> (src, dst) arg index
+
+    class _MemoryFunctionMode(TorchFunctionMode):
+        def __init__(self, owner):
+            super().__init__()
+            self.owner = owner
+            self.active = True
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if not self.active:
+                return func(*args, **kwargs)
+            owner = self.owner
+            if getattr(func, "__self__", None) is device_getter:
+                dev = func(*args, **kwargs)
+                if dev.type == "cpu" and owner.holds(args[0]):
+                    return owner.stand_in  # "where t is" is the accelerator
+                return dev
+            t = args[0] if args else None
+            if func is to_fn and isinstance(t, torch.Tensor):
+                target = _to_target(args, kwargs)
+                if target is owner.stand_in:  # to the accelerator
+                    out = func(*args, **kwargs)
+                    if not owner.holds(t):  # from the host: a copy, as on a GPU
+                        out = owner._fresh(out, t)
+                        owner.place(out)
+                    return out
+                if owner._moves_to_host(t, target):
+                    return owner._to_host(func(*args, **kwargs), t)
+            elif func is cpu_fn and isinstance(t, torch.Tensor) and owner.holds(t):
+                return owner._to_host(func(*args, **kwargs), t)
+            elif func is numpy_fn and isinstance(t, torch.Tensor) and owner.holds(t):
+                return func(owner._to_host(t, t), *args[1:], **kwargs)
+            out = func(*args, **kwargs)
+            stand_in = owner.stand_in
+            if any(v is stand_in for v in kwargs.values()) or any(a is stand_in for a in args):
+                for r in _tensor_leaves(out, []):  # made on the accelerator
+                    owner.place(r)
+            return out
+
+    class _MemoryDispatchMode(TorchDispatchMode):
+        def __init__(self, owner):
+            super().__init__()
+            self.owner = owner
+            self.active = True
+            self.written = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if not self.active:
+                return out
+            owner = self.owner
+            inputs = _tensor_leaves(kwargs, _tensor_leaves(args, []))
+            if not any(map(owner.holds, inputs)):
+                return out
+            pair = copies.get(func)
+            if pair is not None and not owner.holds(args[pair[1]]):
+                return out  # device memory copied into host memory stays host memory
+            for r in _tensor_leaves(out, []):
+                owner.place(r)
+            written = self.written.get(func)
+            if written is None:
+                written = self.written[func] = _written_args(func)
+            for i in written:
+                if i < len(args):
+                    for r in _tensor_leaves(args[i], []):
+                        owner.place(r)
+            return out
+
+    _memory_modes = (_MemoryFunctionMode, _MemoryDispatchMode)
+    return _memory_modes
+
+
+class DeviceMemory:
+    """Which tensors of a CPU run hold what a GPU run keeps in accelerator
+    memory: the audit (``leanstep.audit(device_memory=...)``) then tells a read
+    of device memory from a read of a host-resident tensor (a step counter, an
+    RNG state), although every tensor of the run lives on the CPU.
+
+    ``stand_in`` is the one ``torch.device("cpu")`` object that the CPU
+    stand-ins for the accelerator hand out wherever code asks for it
+    (:data:`leanstep.megatron.cpu.ACCELERATOR`: ``torch.cuda.current_device()``,
+    ``device="cuda"``, ``Tensor.cuda()``). While the context is active:
+
+    - a tensor that a torch function makes given ``stand_in`` as its device,
+      or that moves there (``t.to(stand_in)``, ``t.cuda()``: from the host, a
+      copy, as on a GPU), holds device memory, as does every tensor given to
+      :meth:`place` (a module's parameters and buffers: what ``.cuda()`` does);
+    - so does every output of an aten op with a device-memory input, and every
+      argument such an op writes (views, in-place and foreach results,
+      collectives' buffers, autograd's grads);
+    - ``t.device`` of such a tensor is ``stand_in``, so code that allocates
+      "where t is" (``torch.empty(n, device=t.device)``) allocates device
+      memory, as it would on a GPU;
+    - a move to the host (``t.cpu()``, ``t.to("cpu")``, ``t.to(<a CPU device
+      other than stand_in>)``, ``t.numpy()``, ``host.copy_(t)``) gives host
+      memory: a copy, as on a GPU, never the device tensor itself.
+
+    Everything else is host-resident: tensors made without a device or on a
+    CPU device other than ``stand_in`` (``torch.tensor(0.0)``, a torch
+    optimizer's step counters, ``torch.get_rng_state()``), and what moved to
+    the host. Membership is per storage (views share it) and weak: a freed
+    storage leaves the set. Tensors without storage (sparse, subclasses
+    without data) are never device memory. The modes are thread-local, like
+    the audit's; contexts of one object do not nest.
+    """
+
+    def __init__(self, stand_in):
+        _load_torch()
+        if not isinstance(stand_in, _torch.device) or stand_in.type != "cpu":
+            raise TypeError(f"leanstep.audit.DeviceMemory: stand_in must be a torch.device of "
+                            f"type 'cpu' (the object the CPU stand-ins hand out for the "
+                            f"accelerator), got {stand_in!r}")
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self.stand_in = stand_in
+        self._storages = WeakIdKeyDictionary()
+        self._active = None
+
+    @staticmethod
+    def _storage(t):
+        try:
+            with _torch._C.DisableTorchFunction():
+                return t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None
+
+    def holds(self, t) -> bool:
+        """Whether tensor ``t`` holds device memory."""
+        s = self._storage(t)
+        return s is not None and s in self._storages
+
+    def place(self, *objs) -> None:
+        """Marks tensors, and the parameters and buffers of modules, as device
+        memory (what ``.cuda()`` does on a GPU, in place)."""
+        for obj in objs:
+            if isinstance(obj, _torch.nn.Module):
+                tensors = list(obj.parameters()) + list(obj.buffers())
+            else:
+                tensors = _tensor_leaves(obj, [])
+            for t in tensors:
+                s = self._storage(t)
+                if s is not None:
+                    self._storages[s] = True
+
+    def _release(self, t) -> None:
+        s = self._storage(t)
+        if s is not None:
+            self._storages.pop(s, None)
+
+    def _fresh(self, out, source):
+        """``out``, or a copy of it where it still shares ``source``'s memory."""
+        s = self._storage(out)
+        if s is not None and s is self._storage(source):
+            with _torch._C.DisableTorchFunction():
+                return out.clone()
+        return out
+
+    def _to_host(self, out, source):
+        out = self._fresh(out, source)
+        self._release(out)
+        return out
+
+    def _moves_to_host(self, t, target) -> bool:
+        """Whether ``t.to(target)`` moves device memory to the host."""
+        if target is None or target is self.stand_in:
+            return False
+        try:
+            host = _torch.device(target).type == "cpu" if isinstance(target, str) \
+                else target.type == "cpu"
+        except RuntimeError:
+            return False
+        with _torch._C.DisableTorchFunction():
+            return host and (t.device.type != "cpu" or self.holds(t))
+
+    def __enter__(self) -> "DeviceMemory":
+        if self._active is not None:
+            raise RuntimeError("this DeviceMemory is already active")
+        fmode_cls, dmode_cls = _load_memory_modes()
+        fmode, dmode = fmode_cls(self), dmode_cls(self)
+        fmode.__enter__()
+        try:
+            dmode.__enter__()
+        except BaseException:
+            fmode.__exit__(None, None, None)
+            raise
+        self._active = (fmode, dmode)
+        _arrays.output_hooks.append(self._adopt)
+        return self
+
+    def _adopt(self, out, like):
+        # An output of leanstep's C++ kernels, made like `like`: device memory when like is.
+        if self._active is not None and isinstance(like, _torch.Tensor) and self.holds(like):
+            self.place(out)
+
+    def __exit__(self, exc_type, exc, tb):
+        fmode, dmode = self._active
+        self._active = None
+        fmode.active = dmode.active = False
+        if self._adopt in _arrays.output_hooks:
+            _arrays.output_hooks.remove(self._adopt)
+        problems = _remove_modes(fmode, dmode)
+        if problems:
+            raise Error(f"leanstep.audit.DeviceMemory: {' and '.join(problems)} no longer on "
+                        f"torch's mode stack when the context ended (modes must be exited in "
+                        f"the reverse order of entering)")
+        return False
+
+
 # --- call sites ---
 
 _lib_cache: dict = {}
@@ -493,7 +785,13 @@ class Audit:
     attributes Megatron-Core's syncs to the training script's line).
     """
 
-    def __init__(self, *, stacklevel_filter: Union[None, str, Iterable[str], Callable[[str], bool]] = None):
+    def __init__(self, *, stacklevel_filter: Union[None, str, Iterable[str], Callable[[str], bool]] = None,
+                 device_memory: Optional["DeviceMemory"] = None):
+        if device_memory is not None and not isinstance(device_memory, DeviceMemory):
+            raise TypeError(f"leanstep.audit: device_memory must be a leanstep.audit.DeviceMemory "
+                            f"or None, got {type(device_memory).__name__}")
+        self.device_memory = device_memory
+        self._reading = 0  # > 0 inside a Python-level read (its aten-level read is the same)
         self.ops: collections.Counter = collections.Counter()
         self.view_ops: collections.Counter = collections.Counter()
         self.syncs: collections.Counter = collections.Counter()
@@ -538,10 +836,20 @@ class Audit:
             numels = _run_lengths(int(t.numel()) for t in (lists[0] or ()))
         self.list_calls[ListCall(op, sum(1 for x in lists if x), numels)] += 1
 
+    def _is_device_memory(self, t) -> bool:
+        if not isinstance(t, _torch.Tensor):
+            return False
+        if self.device_memory is not None:
+            return self.device_memory.holds(t)
+        return t.device.type != "cpu"
+
     def _record_read(self, kind, t, error):
         with _torch._C.DisableTorchFunction():
             dev = t.device
-            memory = "host-resident" if dev.type == "cpu" else "device"
+            if self.device_memory is not None:
+                memory = "device" if self.device_memory.holds(t) else "host-resident"
+            else:
+                memory = "host-resident" if dev.type == "cpu" else "device"
             rec = HostRead(kind, memory, str(dev), str(t.dtype).replace("torch.", ""),
                            tuple(t.shape), self._site(), error)
         self.host_reads[rec] += 1
@@ -687,7 +995,7 @@ def _sorted(counter):
     return sorted(counter.items(), key=lambda kv: (-kv[1], str(kv[0].site), kv[0][:2]))
 
 
-def audit(*, stacklevel_filter=None) -> Audit:
+def audit(*, stacklevel_filter=None, device_memory=None) -> Audit:
     """A new :class:`Audit`, to be used as a context manager:
 
     >>> with leanstep.audit() as a:            # doctest: +SKIP
@@ -695,7 +1003,7 @@ def audit(*, stacklevel_filter=None) -> Audit:
     >>> print(a.summary())                     # doctest: +SKIP
     412 aten ops, 1 host syncs, 1 host reads (1 of device memory)
     """
-    return Audit(stacklevel_filter=stacklevel_filter)
+    return Audit(stacklevel_filter=stacklevel_filter, device_memory=device_memory)
 
 
 # --- command line ---

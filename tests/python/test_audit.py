@@ -269,3 +269,114 @@ def test_cli_table_in_process(tmp_path, capsys):
     assert err.startswith("audit: 6 aten ops (1 views), 2 host syncs, 2 host reads (0 of device memory)\n")
     assert "tiny.py:5 (<module>)" in err and "tiny.py:6 (<module>)" in err
     assert "... 3 more rows" in err  # --top 2 of 5 op names
+
+
+# ---------------------------------------------------------------- DeviceMemory
+
+
+STAND_IN = torch.device("cpu")  # the stand-in object: identity, not equality, counts
+
+
+def _reads(a, memory):
+    return collections.Counter({(r.kind, r.site.line): n for r, n in a.host_reads.items()
+                                if r.memory == memory})
+
+
+def test_device_memory_sources_and_propagation():
+    dm = la.DeviceMemory(STAND_IN)
+    with dm:
+        made = torch.zeros(4, device=STAND_IN)
+        host = torch.zeros(4, device=torch.device("cpu"))  # equal to the stand-in, not it
+        plain = torch.tensor(0.0)
+        module = torch.nn.Linear(3, 2)
+        dm.place(module)
+        moved = plain.to(STAND_IN)
+        assert dm.holds(made) and dm.holds(module.weight) and dm.holds(module.bias)
+        assert not dm.holds(host) and not dm.holds(plain)
+        # A host tensor moved to the device is a copy there, as on a GPU.
+        assert dm.holds(moved) and not dm.holds(plain) and moved is not plain
+        assert made.to(STAND_IN) is made  # already there: no copy
+        # Views, results, in-place and foreach writes, autograd's grads.
+        assert dm.holds(made[1:]) and dm.holds(made.sum()) and dm.holds(made * plain)
+        written = [torch.zeros(2), torch.zeros(2)]
+        torch._foreach_add_(written, [made[:2], made[2:]])
+        assert all(dm.holds(t) for t in written)
+        module(torch.randn(5, 3)).sum().backward()
+        assert dm.holds(module.weight.grad)
+        # "Where t is" is the accelerator: allocations there are device memory.
+        assert made.device is STAND_IN and plain.device is not STAND_IN
+        assert dm.holds(torch.empty(3, device=made.device))
+        # Moves to the host are host memory, and copies: never the device tensor.
+        for back in (made.cpu(), made.to("cpu"), made.to(torch.device("cpu"))):
+            assert not dm.holds(back) and back.untyped_storage().data_ptr() != \
+                made.untyped_storage().data_ptr()
+        sink = torch.empty(4)
+        sink.copy_(made)
+        assert not dm.holds(sink)
+        # A torch optimizer's step counter stays on the host.
+        p = torch.nn.Parameter(torch.ones(3, device=STAND_IN))
+        opt = torch.optim.AdamW([p], foreach=False)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        assert dm.holds(opt.state[p]["exp_avg"]) and not dm.holds(opt.state[p]["step"])
+    # Outside the context nothing more is tracked, and a freed storage leaves the set.
+    assert not dm.holds(torch.zeros(2, device=STAND_IN))
+    n = len(dm._storages)
+    del made, module, moved, written, p, opt
+    import gc
+
+    gc.collect()
+    assert len(dm._storages) < n
+
+
+def test_device_memory_reads_are_told_from_host_resident_ones():
+    dm = la.DeviceMemory(STAND_IN)
+    with dm:
+        dev = torch.arange(4.0, device=STAND_IN)
+        counter = torch.tensor(3.0)
+        norms = [dev[i].abs() for i in range(3)]
+        with leanstep.audit(device_memory=dm) as a:
+            l1 = _line(); dev.sum().item()
+            l2 = _line(); counter.item()
+            l3 = _line(); dev.tolist()
+            l4 = _line(); host = dev.cpu()
+            l5 = _line(); host.tolist()
+            l6 = _line(); torch.tensor(norms)  # reads each value beneath the dispatcher
+            l7 = _line(); torch.empty(4).copy_(dev)
+            l8 = _line(); dev.to(dev.device)  # no move
+            l9 = _line(); bool(dev[0] > 0)
+    assert _reads(a, "device") == collections.Counter(
+        {("item", l1): 1, ("tolist", l3): 1, ("cpu", l4): 1, ("tensor_from_list", l6): 3,
+         ("copy_to_host", l7): 1, ("bool", l9): 1})
+    assert _reads(a, "host-resident") == collections.Counter({("item", l2): 1, ("tolist", l5): 1})
+    assert a.num_device_reads == 8
+    assert all(r.site.line != l8 for r in a.host_reads)
+    with pytest.raises(TypeError, match="device_memory"):
+        leanstep.audit(device_memory="cuda")
+    with pytest.raises(TypeError, match="stand_in"):
+        la.DeviceMemory(torch.device("meta"))
+
+
+def test_device_memory_sees_aten_level_reads_once():
+    dm = la.DeviceMemory(STAND_IN)
+    with dm:
+        dev = torch.ones(2, device=STAND_IN)
+        with leanstep.audit(device_memory=dm) as a:
+            dev[0].item()  # one Python read: its _local_scalar_dense is not a second one
+            torch.ops.aten._local_scalar_dense(dev[1])  # a read no Python method made
+    kinds = collections.Counter(r.kind for r in a.host_reads.elements())
+    assert kinds == collections.Counter({"item": 1, "scalar": 1})
+
+
+def test_device_memory_adopts_leanstep_cpu_outputs():
+    # The C++ kernels write outside the dispatcher: their outputs are device memory
+    # when made like device memory.
+    dm = la.DeviceMemory(STAND_IN)
+    with dm:
+        grads = [torch.randn(5, device=STAND_IN), torch.randn(3, device=STAND_IN)]
+        plan = leanstep.GradPlan(grads)
+        norm, _ = plan.norm()
+        host_plan = leanstep.GradPlan([torch.randn(4)])
+        host_norm, _ = host_plan.norm()
+        assert dm.holds(norm) and not dm.holds(host_norm)
+    assert not leanstep._arrays.output_hooks

@@ -144,6 +144,7 @@ EXPECTED = {
     "te_general_gemm": ({("megatron.core.transformer.moe.moe_utils", "te_general_gemm")}
                         if MCORE_016 else set()),
     "gloo_all_to_all": _mods("tensor_parallel.mappings"),
+    "dtoh_copies": {("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu")},
 }
 
 

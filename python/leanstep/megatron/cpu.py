@@ -20,7 +20,9 @@ shim, itself a context manager that can be used alone:
   ``"torch.cuda.<T>Tensor"``;
 - :func:`te_general_gemm`: 0.16 without Transformer Engine: the router's missing
   ``te_general_gemm`` name is ``None`` (its torch path runs);
-- :func:`gloo_all_to_all`: ``all_to_all_single`` gets its split sizes as lists.
+- :func:`gloo_all_to_all`: ``all_to_all_single`` gets its split sizes as lists;
+- :func:`dtoh_copies`: the dispatcher copies its token counts to the host where
+  a GPU run does (seen only under :class:`leanstep.audit.DeviceMemory`).
 
 :func:`megatron_on_cpu` (also :func:`cpu_shims`) enters all of them. Wherever
 possible a shim replaces a Megatron module's own ``torch`` name with a view of
@@ -64,9 +66,11 @@ __all__ = [
     "cuda_type_names",
     "te_general_gemm",
     "gloo_all_to_all",
+    "dtoh_copies",
     "finalize_model_grads_config",
     "CpuStream",
     "CpuEvent",
+    "ACCELERATOR",
 ]
 
 _MISSING = object()
@@ -414,8 +418,14 @@ def cuda_streams(patches):
 # ---------------------------------------------------------------- 3. current device
 
 
+#: The device the stand-ins hand out for the accelerator: a ``torch.device("cpu")``,
+#: always this one object, so that :class:`leanstep.audit.DeviceMemory` can tell
+#: what a GPU run would allocate on the device from what it keeps on the host.
+ACCELERATOR = torch.device("cpu")
+
+
 def _cpu_current_device():
-    return torch.device("cpu")
+    return ACCELERATOR
 
 
 @_shim
@@ -467,7 +477,7 @@ def _cached(make_wrapper, original):
 def _on_cpu(factory):
     def make(*args, **kwargs):
         if _is_cuda(kwargs.get("device")):
-            kwargs["device"] = "cpu"
+            kwargs["device"] = ACCELERATOR
             kwargs.pop("pin_memory", None)
         return factory(*args, **kwargs)
 
@@ -511,8 +521,8 @@ def _tensor_cuda(original):
     def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
         if self.device.type == "cpu":
             if memory_format is not torch.preserve_format:
-                return self.contiguous(memory_format=memory_format)
-            return self
+                return self.contiguous(memory_format=memory_format).to(ACCELERATOR)
+            return self.to(ACCELERATOR)  # this very tensor, but seen as moved to the device
         return original(self, device, non_blocking, memory_format=memory_format)
 
     cuda.__name__ = "cuda"
@@ -659,6 +669,39 @@ def gloo_all_to_all(patches):
         "all_to_all_single": _cached(_all_to_all_single, base.all_to_all_single)})
 
 
+# ---------------------------------------------------------------- 8. the dispatcher's copies to the host
+
+
+def _dtoh_copy(original):
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and tensor.device is ACCELERATOR:
+            host = tensor.to(torch.device("cpu"), non_blocking=True)  # no stream on the CPU
+            return host.numpy() if as_numpy else host
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu.__wrapped__ = original
+    return maybe_move_tensor_to_cpu
+
+
+@_shim
+def dtoh_copies(patches):
+    """The alltoall dispatcher's copies of its token counts to the host
+    (``transformer.moe.token_dispatcher`` calls ``maybe_move_tensor_to_cpu``,
+    which moves only ``is_cuda`` tensors) are made for the tensors that hold
+    device memory too: those whose ``device`` is :data:`ACCELERATOR`, which
+    only :class:`leanstep.audit.DeviceMemory` answers (for every other CPU
+    tensor ``device`` is a new object, and nothing changes). So a CPU run under
+    it reads device memory where a GPU run does, once per MoE layer in
+    ``_maybe_dtoh_and_synchronize``, and the later reads of the counts
+    (``SequentialMLP``'s splits, ``sort_chunks_by_idxs``) are of host memory,
+    as on a GPU. 0.16.1 and 0.19.2 alike."""
+    mod = _module("transformer.moe.token_dispatcher")
+    if mod is None or "maybe_move_tensor_to_cpu" not in vars(mod):
+        return
+    patches.set(mod, "maybe_move_tensor_to_cpu",
+                _cached(_dtoh_copy, vars(mod)["maybe_move_tensor_to_cpu"]))
+
+
 # ---------------------------------------------------------------- all together
 
 #: name -> shim, in the order :func:`megatron_on_cpu` enters them.
@@ -670,6 +713,7 @@ SHIMS = {
     "cuda_type_names": cuda_type_names,
     "te_general_gemm": te_general_gemm,
     "gloo_all_to_all": gloo_all_to_all,
+    "dtoh_copies": dtoh_copies,
 }
 
 

@@ -331,6 +331,10 @@ class Trainer:
                          share_embeddings_and_output_weights=False)
         self.lora = apply_lora(model, targets=a.targets.split(","), rank=a.lora_rank,
                                alpha=a.lora_alpha, seed=a.seed)
+        # As Megatron's training (get_model): the model moves to the device before DDP wraps
+        # it. On the CPU the tensors stay where they are; leanstep.audit.DeviceMemory sees the
+        # move and counts them as device memory.
+        model.cuda(torch.cuda.current_device())
         self.base_checksum = base_checksum(model)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    overlap_grad_reduce=False,
@@ -357,7 +361,8 @@ class Trainer:
             return loss, {"lm loss": loss.detach().clone()}
 
         def forward_step(data_iterator, model):
-            b = next(data_iterator)
+            # As Megatron's get_batch: the batch moves to the device.
+            b = {k: v.cuda(non_blocking=True) for k, v in next(data_iterator).items()}
             out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
             return out, partial(loss_func, b["loss_mask"])
 
