@@ -42,6 +42,7 @@ from . import ddp as _ddp_patches
 from . import grad as _grad_patches
 from . import moe as _moe_patches
 from . import norm as _norm_patches
+from . import step as _step_patches
 from ._patching import FAMILIES, active, installed, installed_variant, reset_call_counts, set_active
 from .norm import convert_norms
 
@@ -49,7 +50,8 @@ __all__ = ["install", "uninstall", "report", "format_report", "installed", "inst
            "set_active", "active", "reset_call_counts", "convert_norms", "PATCHES", "FAMILIES"]
 
 #: Every patch, in install order.
-PATCHES = _grad_patches.SPECS + _ddp_patches.SPECS + _moe_patches.SPECS + _norm_patches.SPECS
+PATCHES = (_grad_patches.SPECS + _step_patches.SPECS + _ddp_patches.SPECS + _moe_patches.SPECS
+           + _norm_patches.SPECS)
 
 
 def install(patches=None):

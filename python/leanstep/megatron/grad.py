@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from .. import _backend
+from .. import _backend, _dispatch
 from ..backends.torch_grad import PLAN_DTYPES
 from . import _patching
 from ._patching import EMPTY, Spec, Variant
@@ -139,20 +139,42 @@ def _make_get_grad_norm_fp32(original, spec):
             if dist_ready():
                 torch.distributed.all_reduce(norm, op=torch.distributed.ReduceOp.MAX,
                                              group=grad_stats_parallel_group)
-            return norm[0].item()  # both versions return the inf-norm as a float
+            # Both versions return the inf-norm as a float (of the fp32 max): the
+            # same value, kept on the device.
+            return norm[0].to(torch.float64)
         # As the original: the p-th power (fp32) is what ranks SUM-reduce.
         total = norm if p == 1.0 else norm ** p
         if dist_ready():
             torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM,
                                          group=grad_stats_parallel_group)
-        # Follow what the installed code does at this moment: newer versions
-        # keep the norm on the device when Transformer Engine's
-        # multi_tensor_scale_tensor is importable, and return a float otherwise.
+        # Newer versions keep the norm on the device when Transformer Engine's
+        # multi_tensor_scale_tensor is importable (fp32, as they compute it).
         if getattr(home, "multi_tensor_scale_tensor_impl", None) is not None:
             return total.pow(1.0 / p)
-        return total.item() ** (1.0 / p)
+        # Otherwise the installed code returns total.item() ** (1 / p), a Python
+        # float: the same double, computed on the device (see host_float_pow).
+        return host_float_pow(total[0], 1.0 / p)
 
     return get_grad_norm_fp32
+
+
+def host_float_pow(value, exponent):
+    """``float(value) ** exponent`` as a 0-d float64 tensor on value's device,
+    without a host read: the double Megatron's float path computes. The
+    exponent goes in as a tensor so that the C library's ``pow`` runs, as in
+    Python, on the CPU (a scalar 0.5 would become ``sqrt``)."""
+    base = value.to(torch.float64).reshape(())
+    if exponent == 1.0:
+        return base
+    return torch.pow(base, torch.tensor(exponent, dtype=torch.float64, device=base.device))
+
+
+def host_float_clip_scale(max_norm, total_norm):
+    """The factor the installed float path scales the grads by, on the device:
+    ``max_norm / (total_norm + 1e-6)`` in double, applied (as fp32) only when
+    it is below 1; 1.0 otherwise (a multiply by one changes no grad)."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    return torch.where(coeff < 1.0, coeff, torch.ones_like(coeff)).to(torch.float32).reshape(1)
 
 
 # ---------------------------------------------------------------- clip_grad_by_total_norm_fp32
@@ -182,6 +204,11 @@ def _make_clip_grad_by_total_norm_fp32(original, spec):
             return original(params, max_norm, total_norm, use_decoupled_grad)
         _patching.count(spec.name, *_device_tag(plan)[::-1])
         if not grads:
+            return None
+        if isinstance(total_norm, torch.Tensor) and total_norm.dtype == torch.float64:
+            # leanstep's norm in place of the installed version's float (a double):
+            # the float path's arithmetic, on the device.
+            plan.scale_(host_float_clip_scale(float(max_norm), total_norm.detach()))
             return None
         if isinstance(total_norm, torch.Tensor):
             # A norm that stayed on the device: coefficient from it, no host read.
@@ -244,16 +271,18 @@ def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
             return call_original()
         _patching.count(spec.name, *_device_tag(plan)[::-1])
         count = plan.count_zeros()
+        # The count stays on the device, a 0-d tensor (the installed version returns a
+        # Python number): read it when it is logged.
         if with_expert_tp:
             # Newer versions accumulate in int64 and return a Python int.
             if dist_ready():
                 torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.SUM, group=group)
-            return count.item()
+            return count[0]
         # 0.16 accumulates into an fp32 tensor, SUM-reduces it, returns a float.
         total = count.to(torch.float32)
         if dist_ready():
             torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=group)
-        return total.item()
+        return total[0]
 
     if with_expert_tp:
         @functools.wraps(original)
@@ -279,6 +308,41 @@ def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
 # ---------------------------------------------------------------- unscale + found_inf
 
 
+def unscale_and_check_on_device(optimizer, spec_name="unscale_and_check_for_nan"):
+    """The mixed-precision optimizer's unscale and non-finite check, leaving
+    the result in ``optimizer.found_inf`` (all-reduced, on the device) without
+    reading it: leanstep's one pass when it can take the grads and the preset
+    enables ``grad.unscale``, else the installed version's own ops
+    (``torch._amp_foreach_non_finite_check_and_unscale_``, as Megatron calls
+    them). Counts the call under ``spec_name``. Returns ``optimizer.found_inf``."""
+    stub = getattr(optimizer, "is_stub_optimizer", False)
+    main_grads = [] if stub else optimizer._collect_main_grad_data_for_unscaling()
+    inv_scale = optimizer.grad_scaler.inv_scale
+    reason = None if _dispatch.op_enabled("grad.unscale") else "switched_off"
+    plan = None
+    if reason is None:
+        plan, reason = plans.get(main_grads, in_place=True)
+    if reason is None and main_grads and (
+            not isinstance(inv_scale, torch.Tensor) or inv_scale.device != main_grads[0].device
+            or inv_scale.dtype != torch.float32 or inv_scale.numel() != 1):
+        reason = "inv_scale"
+    optimizer.found_inf.fill_(0.0)
+    if reason is not None:
+        _patching.count(spec_name, reason=reason)
+        if main_grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(main_grads, optimizer.found_inf,
+                                                             inv_scale)
+    else:
+        _patching.count(spec_name, *_device_tag(plan)[::-1])
+        if main_grads:
+            # Unscale and non-finite check in one pass over the coalesced
+            # regions, OR-ed into the optimizer's own found_inf.
+            plan.unscale_(inv_scale.reshape(1), found_inf=optimizer.found_inf)
+    torch.distributed.all_reduce(optimizer.found_inf, op=torch.distributed.ReduceOp.MAX,
+                                 group=optimizer.get_grad_stats_parallel_group())
+    return optimizer.found_inf
+
+
 def _make_unscale_and_check(original, spec):
     @functools.wraps(original)
     def _unscale_main_grads_and_check_for_nan(self):
@@ -296,15 +360,10 @@ def _make_unscale_and_check(original, spec):
         if reason is not None:
             _patching.count(spec.name, reason=reason)
             return original(self)
-        _patching.count(spec.name, *_device_tag(plan)[::-1])
-        self.found_inf.fill_(0.0)
-        if main_grads:
-            # Unscale and non-finite check in one pass over the coalesced
-            # regions, OR-ed into the optimizer's own found_inf.
-            plan.unscale_(inv_scale.reshape(1), found_inf=self.found_inf)
-        torch.distributed.all_reduce(self.found_inf, op=torch.distributed.ReduceOp.MAX,
-                                     group=self.get_grad_stats_parallel_group())
-        return self.found_inf.item() > 0  # the optimizer's step branches on a Python bool
+        found_inf = unscale_and_check_on_device(self, spec.name)
+        # The installed API: the optimizer's step branches on a Python bool. The
+        # sync-free step (leanstep.megatron.step) calls unscale_and_check_on_device.
+        return found_inf.item() > 0
 
     return _unscale_main_grads_and_check_for_nan
 

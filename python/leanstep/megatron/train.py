@@ -107,8 +107,10 @@ def build_parser():
     g.add_argument("--micro-batch", type=int, default=1, help="rows per microbatch")
     g.add_argument("--microbatches", type=int, default=1,
                    help="microbatches per rank and step (gradient accumulation)")
-    g.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
-                   help="parameter dtype (bf16: fp32 main params in the optimizer). auto "
+    g.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                   help="parameter dtype (bf16, fp16: fp32 main params in the optimizer; fp16 "
+                        "with Megatron's dynamic loss scaler, whose first steps overflow and "
+                        "are skipped while the scale backs off from 2^32). auto "
                         "(default): bf16 where this CPU multiplies bf16 natively (oneDNN "
                         "bf16 support: AVX512-BF16 / AMX), else fp32, because without it a "
                         "bf16 matmul is emulated, tens of times slower than fp32, and the "
@@ -309,8 +311,8 @@ class Trainer:
                                      expert_model_parallel_size=self.ep)
         torch.manual_seed(a.seed)
         model_parallel_cuda_manual_seed(a.seed, force_reset_rng=True)
-        bf16 = a.dtype == "bf16"
-        dtype = torch.bfloat16 if bf16 else torch.float32
+        bf16, fp16 = a.dtype == "bf16", a.dtype == "fp16"
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.dtype, torch.float32)
         config = TransformerConfig(
             num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
             num_query_groups=a.kv_heads, kv_channels=a.hidden // a.heads,
@@ -320,7 +322,7 @@ class Trainer:
             moe_aux_loss_coeff=1e-3, expert_model_parallel_size=self.ep,
             normalization="RMSNorm", layernorm_epsilon=1e-6, add_bias_linear=False,
             gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-            use_cpu_initialization=True, params_dtype=dtype, bf16=bf16,
+            use_cpu_initialization=True, params_dtype=dtype, bf16=bf16, fp16=fp16,
             hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
             bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
             apply_rope_fusion=False)
@@ -341,7 +343,8 @@ class Trainer:
                                                    use_distributed_optimizer=True)
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
         opt_config = OptimizerConfig(optimizer="adam", lr=a.lr, weight_decay=0.0, clip_grad=1.0,
-                                     use_distributed_optimizer=True, bf16=bf16, params_dtype=dtype)
+                                     use_distributed_optimizer=True, bf16=bf16, fp16=fp16,
+                                     params_dtype=dtype)
         self.optimizer = get_megatron_optimizer(opt_config, [self.model])
         if not a.no_grad_sync:  # (tests only: the silent pitfall of a hand-written loop)
             cpu.finalize_model_grads_config(config, [self.model], self.optimizer)
@@ -391,9 +394,23 @@ class Trainer:
         loss = sum(o["lm loss"] for o in out) / len(out)
         # The loss the step logs is the data-parallel mean, as Megatron reports it.
         torch.distributed.all_reduce(loss)
-        loss = float(loss) / self.world
-        return (duration, loss, float(grad_norm) if grad_norm is not None else float("nan"), ok,
-                batches[0])
+        # Nothing is read here: the loss, the norm and the success flag stay where the
+        # step left them (on a GPU, the device) until the log reads them (logged()).
+        return StepResult(duration, loss, grad_norm, ok, batches[0], self.world)
+
+
+class StepResult:
+    """One step's outcome, unread: ``logged()`` reads the values a log needs."""
+
+    def __init__(self, duration, loss, grad_norm, ok, batch, world):
+        self.duration, self.loss, self.grad_norm, self.ok = duration, loss, grad_norm, ok
+        self.batch, self.world = batch, world
+
+    def logged(self):
+        """(loss, grad_norm, update_successful) as Python values: the host reads
+        of a logged step (the data-parallel mean loss; NaN for no norm)."""
+        norm = float("nan") if self.grad_norm is None else float(self.grad_norm)
+        return float(self.loss) / self.world, norm, bool(self.ok)
 
 
 def base_checksum(model):
@@ -499,7 +516,9 @@ def run_ep(args, ep, rank, world, say):
                         if condition != current:
                             leanstep.set_preset(PRESETS[condition])  # at a block boundary
                             current = condition
-                        duration, loss, grad_norm, ok, batch = trainer.step(step)
+                        outcome = trainer.step(step)
+                        duration, batch = outcome.duration, outcome.batch
+                        loss, grad_norm, ok = outcome.logged()
                         if run_index == 0 and step < 2:
                             result.setdefault("first_microbatch_hashes", []).append(
                                 microbatch_hash(batch))
@@ -564,7 +583,9 @@ def agreement(args, trainer, out_dir, rank, result, say, ep):
         losses, norms = [], []
         with open(path, "w") as log:
             for step in range(args.agreement_steps):
-                duration, loss, grad_norm, ok, _ = trainer.step(step)
+                done = trainer.step(step)
+                duration = done.duration
+                loss, grad_norm, ok = done.logged()
                 losses.append(loss)
                 norms.append(grad_norm)
                 log.write(json.dumps({"run": condition, "rank": rank, "step": step,

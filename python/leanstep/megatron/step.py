@@ -1,0 +1,468 @@
+"""The sync-free optimizer step: ``MixedPrecisionOptimizer.step`` and
+``ChainedOptimizer.step`` without a host read of device memory, fp16 and bf16,
+0.16 and 0.19.
+
+Megatron's step reads the device in three places; leanstep keeps each on it:
+
+- **found_inf** (fp16, with a grad scaler): ``_unscale_main_grads_and_check_for_nan``
+  ends in ``found_inf.item() > 0`` and ``step()`` returns early on it. Here the
+  unscale leaves the all-reduced flag on the device
+  (:func:`leanstep.megatron.grad.unscale_and_check_on_device`), the step goes on,
+  and the skip happens on the device: the inner optimizer's update is masked by
+  the flag (:func:`masked_adam_step`), so parameters, moments and step counters
+  are bit-for-bit unchanged on a skipped step, as Megatron's own skip leaves
+  them. Clipping and the zero count run on a skipped step too (on grads that are
+  thrown away), and the main parameters are copied to the model parameters
+  unchanged (the same bits again).
+- **the loss scale**: ``DynamicGradScaler.update`` keeps its growth and
+  hysteresis trackers as Python ints; here they live on the device and are
+  updated there (:func:`update_scaler_on_device`), with the same trajectory.
+  The scaler becomes a :class:`DeviceTrackedDynamicGradScaler` (its class is
+  swapped, nothing else), whose ``_growth_tracker`` and ``_hysteresis_tracker``
+  read the device values when Python code asks (``state_dict``, Megatron's own
+  ``update`` when the preset switches the patch off): a read then, never per step.
+- **ChainedOptimizer** (dense and expert optimizers): each sub-optimizer keeps
+  its own flag and scaler, as Megatron does; the skip is their OR, on the device,
+  for all of them. Where the sub-optimizers' grad-stats groups differ, the
+  combined norm ``sqrt(sum(norm_i ** 2))`` is taken on the device in double,
+  as Megatron takes it in Python floats.
+
+The grad norm and zero count stay on the device through the ``grad.norm`` and
+``grad.count_zeros`` patches (:mod:`leanstep.megatron.grad`). The step returns
+``(update_successful, grad_norm, num_zeros)`` as a :class:`DeviceBool`, a 0-d
+device tensor and a 0-d device tensor (or the installed version's constants when
+nothing was computed). ``bool(update_successful)``, ``float(grad_norm)`` read
+the device: the training loop does it when it logs. On a skipped step Megatron
+returns ``(False, None, None)``; here ``update_successful`` is false and
+``grad_norm`` is the norm of the overflowed grads (inf or NaN).
+
+The inner optimizers whose update can be masked: ``torch.optim.Adam`` and
+``AdamW`` (Megatron's optimizer without Transformer Engine or apex) with
+``fused=True`` (torch's kernel takes ``found_inf`` and skips on the device), or
+with the for-loop or foreach implementation (:func:`masked_adam_step`: torch's
+arithmetic, bit-for-bit where the device's float64 ``pow`` is the C library's,
+as on the CPU). Other inner optimizers (Transformer Engine's or apex's
+FusedAdam, SGD, CPU offloading), ``amsgrad``, ``maximize``, ``capturable``,
+``differentiable`` or a tensor ``lr`` go to Megatron's step, with the reason
+counted; so does a grad scaler that is not Megatron's ``DynamicGradScaler`` or
+``ConstantGradScaler``, and 0.19's ``grad_norm_skip_threshold`` (a host
+comparison of the norm).
+"""
+
+import contextlib
+import functools
+import math
+import threading
+
+import torch
+
+from .. import _dispatch
+from . import _patching
+from ._patching import EMPTY, Spec, Variant
+from .grad import host_float_pow, unscale_and_check_on_device
+
+OPTIMIZER = "megatron.core.optimizer.optimizer"
+GRAD_SCALER = "megatron.core.optimizer.grad_scaler"
+STEP = "optimizer_step"
+CHAINED_STEP = "chained_optimizer_step"
+
+__all__ = ["DeviceBool", "DeviceTrackedDynamicGradScaler", "masked_adam_step",
+           "update_scaler_on_device", "SPECS"]
+
+
+class DeviceBool:
+    """A boolean that stays on the device until asked: ``bool(flag)`` reads it
+    (one host read). ``flag.tensor`` is the 0-d bool tensor."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __bool__(self):
+        return bool(self.tensor)
+
+    def __repr__(self):
+        return f"DeviceBool({self.tensor!r})"
+
+
+# ---------------------------------------------------------------- the loss scale on the device
+
+
+class DeviceTrackedDynamicGradScaler:
+    """Mixed into Megatron's ``DynamicGradScaler`` (see :func:`track_on_device`):
+    the growth and hysteresis trackers are one int64 device tensor of two,
+    ``_leanstep_trackers``; the Python attributes read (and write) it."""
+
+    __slots__ = ()  # a mixin: the instance layout stays Megatron's (its class can be swapped)
+
+    @property
+    def _growth_tracker(self):
+        return int(self._leanstep_trackers[0])
+
+    @_growth_tracker.setter
+    def _growth_tracker(self, value):
+        self._leanstep_trackers[0] = int(value)
+
+    @property
+    def _hysteresis_tracker(self):
+        return int(self._leanstep_trackers[1])
+
+    @_hysteresis_tracker.setter
+    def _hysteresis_tracker(self, value):
+        self._leanstep_trackers[1] = int(value)
+
+
+_tracked_classes = {}
+_tracked_lock = threading.Lock()
+
+
+def track_on_device(scaler):
+    """Moves a ``DynamicGradScaler``'s trackers to the device (its class
+    becomes a subclass of its own class and :class:`DeviceTrackedDynamicGradScaler`;
+    idempotent). Writes the device (no read)."""
+    cls = type(scaler)
+    if isinstance(scaler, DeviceTrackedDynamicGradScaler):
+        return scaler
+    with _tracked_lock:
+        tracked = _tracked_classes.get(cls)
+        if tracked is None:
+            # Megatron's class first: the layout test of __class__ assignment wants it;
+            # the properties still win (the class defines no such attributes).
+            tracked = type(cls.__name__, (cls, DeviceTrackedDynamicGradScaler),
+                           {"__slots__": (), "__module__": cls.__module__,
+                            "__qualname__": cls.__qualname__,
+                            "_leanstep_base": cls})
+            _tracked_classes[cls] = tracked
+    values = [vars(scaler).pop("_growth_tracker"), vars(scaler).pop("_hysteresis_tracker")]
+    scaler._leanstep_trackers = torch.tensor(values, dtype=torch.int64,
+                                             device=scaler._scale.device)
+    scaler.__class__ = tracked
+    return scaler
+
+
+def untrack(scaler):
+    """Back to Megatron's class with Python-int trackers (one read)."""
+    if not isinstance(scaler, DeviceTrackedDynamicGradScaler):
+        return scaler
+    growth, hysteresis = (int(v) for v in scaler._leanstep_trackers.tolist())
+    scaler.__class__ = type(scaler)._leanstep_base
+    del scaler._leanstep_trackers
+    scaler._growth_tracker = growth
+    scaler._hysteresis_tracker = hysteresis
+    return scaler
+
+
+def update_scaler_on_device(scaler, found_inf):
+    """``DynamicGradScaler.update(found_inf)`` with the flag on the device:
+    the same trajectory (Megatron: on an overflow the growth tracker resets and
+    the hysteresis tracker counts down, the scale backs off, not below
+    ``min_scale``, when it reaches 0; otherwise the growth tracker counts up and
+    at ``growth_interval`` resets, restores the hysteresis and grows the scale).
+    ``_scale`` is rebound to a new tensor, as Megatron does."""
+    track_on_device(scaler)
+    found = (found_inf.reshape(()) > 0)
+    growth, hysteresis = scaler._leanstep_trackers.unbind(0)
+    zero = torch.zeros_like(growth)
+    growth = torch.where(found, zero, growth + 1)
+    hysteresis = torch.where(found, hysteresis - 1, hysteresis)
+    back_off = found & (hysteresis <= 0)
+    grow = ~found & (growth == scaler.growth_interval)
+    growth = torch.where(grow, zero, growth)
+    hysteresis = torch.where(grow, torch.full_like(hysteresis, scaler.hysteresis), hysteresis)
+    scale = scaler._scale
+    scale = torch.where(back_off, torch.max(scale * scaler.backoff_factor, scaler.min_scale), scale)
+    scale = torch.where(grow, scaler._scale * scaler.growth_factor, scale)
+    scaler._leanstep_trackers = torch.stack((growth, hysteresis))
+    scaler._scale = scale
+
+
+def _scaler_reason(scaler):
+    if scaler is None:
+        return None
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+    if type(scaler) is ConstantGradScaler:
+        return None
+    base = getattr(type(scaler), "_leanstep_base", type(scaler))
+    if base is DynamicGradScaler:
+        return None
+    return "grad_scaler_type"
+
+
+def _update_scaler(scaler, found_inf):
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler
+
+    if type(scaler) is not ConstantGradScaler:
+        update_scaler_on_device(scaler, found_inf)
+
+
+# ---------------------------------------------------------------- the masked inner update
+
+
+_ADAM_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _inner_reason(inner):
+    """Why leanstep cannot mask this inner optimizer's update (None if it can)."""
+    if type(inner) not in _ADAM_CLASSES:
+        return "inner_optimizer"
+    for group in inner.param_groups:
+        for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if group.get(key):
+                return f"adam_{key}"
+        if isinstance(group["lr"], torch.Tensor) or any(
+                isinstance(b, torch.Tensor) for b in group["betas"]):
+            return "adam_tensor_hyperparameter"
+        if group["params"] and any(torch.is_complex(p) for p in group["params"]):
+            return "adam_complex"
+    fused = {bool(g.get("fused")) for g in inner.param_groups}
+    if len(fused) > 1:
+        return "adam_fused_mixed"
+    return None
+
+
+def masked_adam_step(inner, found_inf):
+    """One step of ``torch.optim.Adam`` / ``AdamW`` ``inner`` that leaves
+    parameters, moments and step counters bit-for-bit unchanged where the
+    device flag ``found_inf`` (fp32, > 0: skip) is set, without reading it.
+
+    ``fused=True``: torch's fused kernel given ``found_inf`` (it skips and takes
+    the step counters back). Otherwise torch's for-loop arithmetic, op for op,
+    with the step counter moved to the device (it counts only taken steps) and
+    the bias corrections computed there in float64 from it, as torch computes
+    them in Python floats from the host counter; the new moments and parameter
+    are committed with ``torch.where`` on the flag. Torch's foreach path has the
+    for-loop's arithmetic where its kernels are the per-tensor ones (the CPU)."""
+    groups = inner.param_groups
+    if groups and groups[0].get("fused"):
+        inner.found_inf = found_inf.reshape(())
+        try:
+            inner.step()
+        finally:
+            del inner.found_inf
+        return
+    skip = found_inf.reshape(()) > 0
+    keep = torch.where(skip, 0.0, 1.0).to(torch.float32)
+    f64 = torch.float64
+    for group in groups:
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+        inner._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+        if not params:
+            continue
+        beta1, beta2 = group["betas"]
+        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        decoupled = group.get("decoupled_weight_decay", isinstance(inner, torch.optim.AdamW))
+        device = params[0].device
+        b1 = torch.tensor(beta1, dtype=f64, device=device)
+        b2 = torch.tensor(beta2, dtype=f64, device=device)
+        half = torch.tensor(0.5, dtype=f64, device=device)
+        for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
+            state = inner.state[param]
+            step_t = state["step"]
+            on_device = step_t.to(param.device)  # torch keeps a for-loop counter on the host
+            if on_device is not step_t:
+                step_t = state["step"] = on_device
+                inner._leanstep_device_steps = True
+            step_t.add_(keep.to(step_t.dtype))
+            step = step_t.to(f64)
+            bias_correction1 = 1 - torch.pow(b1, step)
+            bias_correction2 = 1 - torch.pow(b2, step)
+            step_size = lr / bias_correction1
+            bias_correction2_sqrt = torch.pow(bias_correction2, half)
+            new_param = param
+            if weight_decay != 0:
+                if decoupled:
+                    new_param = param.mul(1 - lr * weight_decay)
+                else:
+                    grad = grad.add(param, alpha=weight_decay)
+            new_exp_avg = torch.lerp(exp_avg, grad, 1 - beta1)
+            new_exp_avg_sq = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (new_exp_avg_sq.sqrt() / bias_correction2_sqrt.to(param.dtype)).add_(eps)
+            # param.addcdiv_(exp_avg, denom, value=-step_size): self + value * t1 / t2,
+            # with the step-dependent value from the device.
+            update = (new_exp_avg * (-step_size).to(param.dtype)) / denom
+            new_param = new_param + update
+            torch.where(skip, exp_avg, new_exp_avg, out=exp_avg)
+            torch.where(skip, exp_avg_sq, new_exp_avg_sq, out=exp_avg_sq)
+            torch.where(skip, param, new_param, out=param)
+
+
+def restore_host_state(optimizers):
+    """Before Megatron's own step runs again (the preset switched the patch
+    off, or a reason sent it there): the step counters that
+    :func:`masked_adam_step` moved to the device go back to the host, where
+    torch's for-loop reads them, and the scalers get Python-int trackers. One
+    read each, once, at the switch: never per step."""
+    for opt in optimizers:
+        scaler = getattr(opt, "grad_scaler", None)
+        if scaler is not None:
+            untrack(scaler)
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None and getattr(inner, "_leanstep_device_steps", False):
+            for state in inner.state.values():
+                step_t = state.get("step")
+                if isinstance(step_t, torch.Tensor):
+                    state["step"] = step_t.to("cpu")
+            del inner._leanstep_device_steps
+
+
+# ---------------------------------------------------------------- the step
+
+
+class _Step:
+    """The shadows of one sync-free step: each mixed-precision sub-optimizer's
+    unscale returns False after leaving its flag on the device, its scaler's
+    update takes that flag, and its inner optimizer's step is masked by the OR
+    of all flags."""
+
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+        self.flags = []
+        self._combined = None
+
+    def combined(self):
+        if self._combined is None:
+            flags = self.flags
+            self._combined = flags[0].clone() if len(flags) == 1 else \
+                torch.stack([f.reshape(()) for f in flags]).amax().reshape(1)
+        return self._combined
+
+    @contextlib.contextmanager
+    def shadows(self):
+        shadowed = []
+
+        def shadow(obj, name, value):
+            obj.__dict__[name] = value
+            shadowed.append((obj, name))
+
+        try:
+            for opt in self.optimizers:
+                if getattr(opt, "grad_scaler", None) is None:
+                    continue
+                shadow(opt, "_unscale_main_grads_and_check_for_nan",
+                       functools.partial(self._unscale, opt))
+                shadow(opt.grad_scaler, "update", functools.partial(self._update, opt))
+                if not getattr(opt, "is_stub_optimizer", False) and opt.optimizer is not None:
+                    shadow(opt.optimizer, "step", functools.partial(self._inner_step, opt))
+            yield
+        finally:
+            for obj, name in reversed(shadowed):
+                obj.__dict__.pop(name, None)
+
+    def _unscale(self, opt):
+        found = unscale_and_check_on_device(opt, STEP)
+        opt._leanstep_found = found.clone()  # found_inf is refilled by the next step
+        self.flags.append(opt._leanstep_found)
+        return False  # the step goes on; the flag masks the update on the device
+
+    def _update(self, opt, found_inf_flag):
+        _update_scaler(opt.grad_scaler, opt._leanstep_found)
+
+    def _inner_step(self, opt, closure=None):
+        # Through torch's hook wrapper, as Optimizer.step: its pre- and post-step
+        # hooks run and it records the step for the profiler.
+        run = torch.optim.Optimizer.profile_hook_step(
+            lambda inner, *args, **kwargs: masked_adam_step(inner, self.combined()))
+        return run(opt.optimizer)
+
+
+def _sub_optimizers(optimizer):
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _reason(optimizers):
+    """Why this step goes to Megatron's own (None when leanstep runs it)."""
+    for opt in optimizers:
+        config = getattr(opt, "config", None)
+        threshold = getattr(config, "grad_norm_skip_threshold", math.inf)
+        if threshold is not None and math.isfinite(threshold):
+            return "grad_norm_skip_threshold"
+        if getattr(opt, "grad_scaler", None) is None:
+            continue
+        if not _dispatch.op_enabled("grad.unscale"):
+            return "unscale_switched_off"
+        reason = _scaler_reason(opt.grad_scaler)
+        if reason is not None:
+            return reason
+        if not getattr(opt, "is_stub_optimizer", False) and opt.optimizer is not None:
+            reason = _inner_reason(opt.optimizer)
+            if reason is not None:
+                return reason
+    return None
+
+
+def _device_of(optimizers):
+    for opt in optimizers:
+        scaler = getattr(opt, "grad_scaler", None)
+        if scaler is not None:
+            return scaler.scale.device.type
+        for group in getattr(getattr(opt, "optimizer", None), "param_groups", ()):
+            for p in group["params"]:
+                return p.device.type
+    return "cpu"
+
+
+def _make_step(original, spec, chained=False):
+    @functools.wraps(original)
+    def step(self):
+        optimizers = _sub_optimizers(self)
+        reason = "switched_off" if not _patching.is_active(spec) else _reason(optimizers)
+        if reason is not None:
+            _patching.count(spec.name, reason=reason)
+            restore_host_state(optimizers)
+            return original(self)
+        _patching.count(spec.name, _device_of(optimizers), "torch")
+        run = _Step(optimizers)
+        with run.shadows(), _chained_norm(self) if chained else contextlib.nullcontext():
+            success, grad_norm, num_zeros = original(self)
+        if not run.flags:
+            return success, grad_norm, num_zeros  # no grad scaler: nothing to skip
+        ok = run.combined().reshape(()) == 0
+        return DeviceBool(ok if success else torch.zeros_like(ok)), grad_norm, num_zeros
+
+    return step
+
+
+@contextlib.contextmanager
+def _chained_norm(chained):
+    """ChainedOptimizer.get_grad_norm where the sub-optimizers' grad-stats
+    groups differ: ``math.sqrt(sum(norm ** 2))`` over their norms (floats in
+    Megatron) on the device, in double."""
+    if len(chained.chained_optimizers) < 2 or chained.grads_states_parallel_group_is_shared():
+        yield
+        return
+
+    def get_grad_norm():
+        total = None
+        for opt in chained.chained_optimizers:
+            norm = opt.get_grad_norm()
+            if isinstance(norm, torch.Tensor):
+                norm = norm.to(torch.float64).reshape(())
+                square = norm * norm
+            elif norm:
+                square = float(norm) ** 2
+            else:
+                square = 0.0
+            total = square if total is None else total + square
+        if isinstance(total, torch.Tensor):
+            return torch.sqrt(total)
+        return math.sqrt(total or 0.0)
+
+    chained.__dict__["get_grad_norm"] = get_grad_norm
+    try:
+        yield
+    finally:
+        chained.__dict__.pop("get_grad_norm", None)
+
+
+SPECS = [
+    Spec(STEP, "grad.norm", OPTIMIZER, "step",
+         [Variant("0.16-0.19", [("self", EMPTY)], _make_step)],
+         class_attr="MixedPrecisionOptimizer", requires_area="grad",
+         host_read=None),
+    Spec(CHAINED_STEP, "grad.norm", OPTIMIZER, "step",
+         [Variant("0.16-0.19", [("self", EMPTY)],
+                  functools.partial(_make_step, chained=True))],
+         class_attr="ChainedOptimizer", requires_area="grad", host_read=None),
+]
