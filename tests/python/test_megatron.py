@@ -198,7 +198,15 @@ def test_grad_norm_matches_megatron(norm_type, patched, megatron_on_cpu, torch_g
     _, grads = make_buffer_grads(torch_gen, with_empty=norm_type != math.inf)
     theirs = ORIGINALS["get_grad_norm_fp32"](grads, norm_type=norm_type)
     ours = optimizer.get_grad_norm_fp32(grads, norm_type=norm_type)
-    assert type(ours) is type(theirs) is float  # 0.16 returns a Python float
+    assert type(theirs) is float  # without Transformer Engine the installed code returns a float
+    # leanstep keeps it on the device: that double, as a 0-d float64 tensor.
+    assert isinstance(ours, torch.Tensor) and ours.dtype == torch.float64 and ours.shape == ()
+    # The same double the float path computes from leanstep's fp32 total: total.item() ** (1 / p).
+    plan_norm = float(leanstep.GradPlan(grads).norm(norm_type=norm_type)[0][0])
+    total = plan_norm if norm_type in (1.0, math.inf) else float(
+        torch.tensor(plan_norm, dtype=torch.float32) ** norm_type)
+    assert float(ours) == (total if norm_type in (1.0, math.inf) else total ** (1.0 / norm_type))
+    ours = float(ours)
     # Megatron rounds each tensor's norm to fp32 and combines those in fp32;
     # leanstep sums in double. Both are within a few fp32 ulps of the exact norm.
     exact = {2: np.linalg.norm, 1.0: lambda v: np.abs(v).sum(), math.inf: lambda v: np.abs(v).max()}
@@ -268,8 +276,12 @@ def test_count_zeros_matches_megatron(patched, megatron_on_cpu, torch_gen):
     params.append(Param(None))
     theirs = ORIGINALS["count_zeros_fp32"](params, world, tp_group=world)
     ours = optimizer.count_zeros_fp32(params, grad_stats_parallel_group=world, tp_group=world)
-    assert type(ours) is type(theirs) is (int if NEW_API else float)
-    assert ours == theirs == sum(g.numel() - int(g.count_nonzero()) for i, g in enumerate(grads) if i != 2)
+    assert type(theirs) is (int if NEW_API else float)
+    # leanstep's count stays on the device: a 0-d tensor of the installed version's type.
+    assert isinstance(ours, torch.Tensor) and ours.shape == ()
+    assert ours.dtype == (torch.int64 if NEW_API else torch.float32)
+    assert ours.item() == theirs == sum(
+        g.numel() - int(g.count_nonzero()) for i, g in enumerate(grads) if i != 2)
 
 
 def test_non_cpu_or_subclass_grads_are_delegated(patched, megatron_on_cpu, torch_gen):
@@ -466,14 +478,16 @@ def test_norm_return_type_follows_what_the_installed_code_does(patched, monkeypa
     # Newer versions keep the L2 norm on the device when Transformer Engine's
     # multi_tensor_scale_tensor is importable (a module global), whatever the
     # annotation says; the inf-norm is a float in every version.
+    # Where the installed code returns a float, leanstep returns that double as a 0-d
+    # float64 device tensor (the inf-norm too).
     grads = [torch.full((4,), 1.0), torch.full((5,), 0.0)]
     out = optimizer.get_grad_norm_fp32(grads)
-    assert type(out) is float and out == 2.0
+    assert out.dtype == torch.float64 and out.shape == () and out.item() == 2.0
     monkeypatch.setattr(clip_grads, "multi_tensor_scale_tensor_impl", object(), raising=False)
     out = optimizer.get_grad_norm_fp32(grads)
-    assert isinstance(out, torch.Tensor) and out.shape == (1,) and out.item() == 2.0
+    assert out.dtype == torch.float32 and out.shape == (1,) and out.item() == 2.0
     out_inf = optimizer.get_grad_norm_fp32([torch.tensor([-3.0, 1.0])], norm_type=math.inf)
-    assert type(out_inf) is float and out_inf == 3.0
+    assert out_inf.dtype == torch.float64 and out_inf.shape == () and out_inf.item() == 3.0
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -574,14 +588,29 @@ def test_patched_norm_and_clip_on_the_lora_layout_are_sync_free(patched, no_coll
     assert a.num_ops <= 16, f"{a.num_ops} aten ops:\n{a.format_table()}"
 
 
-def test_a_float_returning_version_keeps_exactly_one_host_read(patched, no_collectives):
+def test_a_float_returning_version_reads_nothing(patched, no_collectives):
     grads = [torch.randn(50), torch.randn(7)]
     optimizer.get_grad_norm_fp32(grads)
     with leanstep.audit() as a:
         out = optimizer.get_grad_norm_fp32(grads)
-    assert type(out) is float
-    assert a.num_host_reads == 1, a.format_table()  # the float the API returns
-    assert "returns a Python float" in lm.report()["host_reads"]["get_grad_norm_fp32"]
+        optimizer.clip_grad_by_total_norm_fp32([Param(g) for g in grads], 1.0, out)
+    assert isinstance(out, torch.Tensor)
+    assert a.num_host_reads == 0 and a.num_syncs == 0, a.format_table()
+    assert "get_grad_norm_fp32" not in lm.report()["host_reads"]
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 0.5, 3.0, 1e9])
+def test_clip_by_a_device_double_norm_is_the_float_path_bitwise(max_norm, patched, torch_gen):
+    # The installed code clips by max_norm / (norm + 1e-6) in double, only when below 1.
+    _, grads = make_buffer_grads(torch_gen)
+    expected = [g.clone() for g in grads]
+    norm = optimizer.get_grad_norm_fp32(grads)
+    coeff = max_norm / (float(norm) + 1.0e-6)
+    if coeff < 1.0:
+        for g in expected:
+            g.mul_(coeff)
+    optimizer.clip_grad_by_total_norm_fp32([Param(g) for g in grads], max_norm, norm)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
 
 
 # ---------------------------------------------------------------- runtime switch

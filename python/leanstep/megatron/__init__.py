@@ -15,6 +15,9 @@ imported it by name):
   ``count_zeros_fp32`` (module :mod:`leanstep.megatron.grad`);
 - ``optimizer.optimizer.MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan``:
   unscale and the non-finite check in one pass;
+- ``optimizer.optimizer.MixedPrecisionOptimizer.step`` and ``ChainedOptimizer.step``:
+  the sync-free step (:mod:`leanstep.megatron.step`): found_inf, the loss scale, the
+  skip, the norm and the zero count stay on the device;
 - ``distributed``: ``_ParamAndGradBucketGroup.check_grads`` and
   ``DistributedDataParallel.finish_grad_sync``: the DDP NaN/Inf grad check with
   one host read per gradient sync (:mod:`leanstep.megatron.ddp`);
@@ -29,8 +32,11 @@ device value on the host. Calls leanstep does not run (tensor subclasses
 such as DTensor, Transformer Engine ``fused=True`` paths, Megatron-FSDP
 params, unsupported dtypes) go to the original function; :func:`report`
 counts calls per path, backend and device, and per delegation reason, and
-names the host reads that remain because Megatron's API returns a Python
-number or branches on a Python bool.
+names the host reads that remain (:data:`INHERENT_READS`). Values Megatron's
+API returns as Python numbers (the grad norm, the zero count, the step's
+success) come back as device tensors (the norm as the same double where the
+installed version returns a float), as Megatron 0.17+ returns the norm with
+Transformer Engine: reading them is the caller's choice.
 
 Collectives: when ``torch.distributed`` is initialised, the same all-reduces
 as the original run on the same groups. Without an initialised process group
@@ -47,7 +53,8 @@ from ._patching import FAMILIES, active, installed, installed_variant, reset_cal
 from .norm import convert_norms
 
 __all__ = ["install", "uninstall", "report", "format_report", "installed", "installed_variant",
-           "set_active", "active", "reset_call_counts", "convert_norms", "PATCHES", "FAMILIES"]
+           "set_active", "active", "reset_call_counts", "convert_norms", "PATCHES", "FAMILIES",
+           "INHERENT_READS"]
 
 #: Every patch, in install order.
 PATCHES = (_grad_patches.SPECS + _step_patches.SPECS + _ddp_patches.SPECS + _moe_patches.SPECS
@@ -81,15 +88,42 @@ def uninstall(patches=None):
     return report()
 
 
+#: The reads of device memory a training iteration still makes with every patch
+#: active, by call site, and why each stays (``leanstep.audit.DeviceMemory``
+#: counts them on a CPU run; docs/megatron-cpu.md has the table per condition).
+INHERENT_READS = {
+    "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher."
+    "_maybe_dtoh_and_synchronize":
+        "inherent: the alltoall dispatcher copies its token counts to the host once per MoE "
+        "layer and forward (non-blocking copies, one event sync): all_to_all_single's split "
+        "sizes and the experts' splits are host integers that size the exchange and the "
+        "outputs",
+    "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel."
+    "finish_grad_sync":
+        "only with ddp_config.check_for_nan_in_grad: one read of the combined NaN/Inf flag per "
+        "model chunk and step (ddp_finish_grad_sync), where Megatron reads two per bucket; "
+        "Megatron raises a Python error",
+    "the training loop":
+        "not an iteration's: the step returns update_successful, the grad norm and the zero "
+        "count on the device; whoever logs them or steps a learning-rate schedule on "
+        "update_successful reads them then",
+}
+
+
 def report():
     """``{"megatron_core_version", "active_families", "installed": {name: [targets]},
     "variants": {name: label}, "skipped": {name: reason}, "notes": {name: [..]},
-    "host_reads": {name: why}, "calls": {name: {"leanstep": n, "paths": {"backend:device": n},
-    "delegated": {reason: n}}}}``; a path is the backend that ran (cpu, torch) and the
-    tensors' device type."""
-    return _patching.report(PATCHES)
+    "host_reads": {name: why}, "inherent_reads": {site: why}, "calls": {name: {"leanstep": n,
+    "paths": {"backend:device": n}, "delegated": {reason: n}}}}``; a path is the backend that
+    ran (cpu, torch) and the tensors' device type. ``host_reads``: the reads a patch keeps in
+    some configuration; ``inherent_reads``: :data:`INHERENT_READS`."""
+    r = _patching.report(PATCHES)
+    r["inherent_reads"] = dict(INHERENT_READS)
+    return r
 
 
 def format_report():
     """:func:`report` as readable lines."""
-    return _patching.format_report(PATCHES)
+    lines = [_patching.format_report(PATCHES), "  reads of device memory left per iteration:"]
+    lines += [f"      {site}: {why}" for site, why in INHERENT_READS.items()]
+    return "\n".join(lines)

@@ -22,6 +22,7 @@ from . import _patching
 from ._patching import EMPTY, Spec, Variant
 
 CLIP_GRADS = "megatron.core.optimizer.clip_grads"
+UNSCALE = "unscale_and_check_for_nan"
 OPTIMIZER = "megatron.core.optimizer.optimizer"
 ALIAS_MODULES = (OPTIMIZER, "megatron.core.optimizer.layer_wise_optimizer",
                  "megatron.core.models.mimo.optimizer")
@@ -308,7 +309,7 @@ def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
 # ---------------------------------------------------------------- unscale + found_inf
 
 
-def unscale_and_check_on_device(optimizer, spec_name="unscale_and_check_for_nan"):
+def unscale_and_check_on_device(optimizer, spec_name=UNSCALE):
     """The mixed-precision optimizer's unscale and non-finite check, leaving
     the result in ``optimizer.found_inf`` (all-reduced, on the device) without
     reading it: leanstep's one pass when it can take the grads and the preset
@@ -373,9 +374,7 @@ SPECS = [
          [Variant("0.16-0.19", [("grads_for_norm", EMPTY), ("norm_type", 2),
                                 ("grad_stats_parallel_group", None)],
                   _make_get_grad_norm_fp32)],
-         ALIAS_MODULES, requires_area="grad",
-         host_read="returns a Python float where the installed version does (0.16; 0.19 "
-                   "without Transformer Engine; every inf-norm)"),
+         ALIAS_MODULES, requires_area="grad"),
     Spec("clip_grad_by_total_norm_fp32", "grad.clip", CLIP_GRADS, "clip_grad_by_total_norm_fp32",
          [Variant("0.16-0.19", [("parameters", EMPTY), ("max_norm", EMPTY),
                                 ("total_norm", EMPTY), ("use_decoupled_grad", False)],
@@ -389,10 +388,10 @@ SPECS = [
                            ("use_decoupled_grad", False), ("tp_group", None),
                            ("expert_tp_group", None)],
                   functools.partial(_make_count_zeros_fp32, with_expert_tp=True))],
-         ALIAS_MODULES, requires_area="grad",
-         host_read="returns a Python number (the installed API)"),
-    Spec("unscale_and_check_for_nan", "grad.unscale", OPTIMIZER, "_unscale_main_grads_and_check_for_nan",
+         ALIAS_MODULES, requires_area="grad"),
+    Spec(UNSCALE, "grad.unscale", OPTIMIZER, "_unscale_main_grads_and_check_for_nan",
          [Variant("0.16-0.19", [("self", EMPTY)], _make_unscale_and_check)],
          class_attr="MixedPrecisionOptimizer", requires_area="grad",
-         host_read="found_inf as a Python bool: the optimizer's step branches on it"),
+         host_read="found_inf as a Python bool, when Megatron's own step calls it (the step "
+                   "patch delegated or switched off); leanstep's step keeps it on the device"),
 ]

@@ -222,6 +222,7 @@ def _inner_reason(inner):
     return None
 
 
+@torch.no_grad()
 def masked_adam_step(inner, found_inf):
     """One step of ``torch.optim.Adam`` / ``AdamW`` ``inner`` that leaves
     parameters, moments and step counters bit-for-bit unchanged where the
@@ -351,7 +352,7 @@ class _Step:
                 obj.__dict__.pop(name, None)
 
     def _unscale(self, opt):
-        found = unscale_and_check_on_device(opt, STEP)
+        found = unscale_and_check_on_device(opt)
         opt._leanstep_found = found.clone()  # found_inf is refilled by the next step
         self.flags.append(opt._leanstep_found)
         return False  # the step goes on; the flag masks the update on the device
@@ -403,9 +404,16 @@ def _device_of(optimizers):
     return "cpu"
 
 
+_running = threading.local()  # .step: the sync-free step this thread is inside, if any
+
+
 def _make_step(original, spec, chained=False):
     @functools.wraps(original)
     def step(self):
+        if getattr(_running, "step", None) is not None:
+            # A step called from inside one (a chained optimizer's own code calling a
+            # sub-optimizer's step): the outer step's shadows already cover it.
+            return original(self)
         optimizers = _sub_optimizers(self)
         reason = "switched_off" if not _patching.is_active(spec) else _reason(optimizers)
         if reason is not None:
@@ -414,8 +422,12 @@ def _make_step(original, spec, chained=False):
             return original(self)
         _patching.count(spec.name, _device_of(optimizers), "torch")
         run = _Step(optimizers)
-        with run.shadows(), _chained_norm(self) if chained else contextlib.nullcontext():
-            success, grad_norm, num_zeros = original(self)
+        _running.step = run
+        try:
+            with run.shadows(), _chained_norm(self) if chained else contextlib.nullcontext():
+                success, grad_norm, num_zeros = original(self)
+        finally:
+            _running.step = None
         if not run.flags:
             return success, grad_norm, num_zeros  # no grad scaler: nothing to skip
         ok = run.combined().reshape(()) == 0

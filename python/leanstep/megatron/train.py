@@ -115,6 +115,12 @@ def build_parser():
                         "bf16 support: AVX512-BF16 / AMX), else fp32, because without it a "
                         "bf16 matmul is emulated, tens of times slower than fp32, and the "
                         "step would time that emulation rather than training")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32,
+                   help="fp16: the dynamic loss scaler's first scale (Megatron's default 2^32)")
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="fp16: steps without an overflow before the scale grows (default 1000)")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="fp16: overflows in a row before the scale backs off (default 2)")
     g = ap.add_argument_group("LoRA")
     g.add_argument("--targets", default=DEFAULT_TARGETS,
                    help=f"planner target list (default {DEFAULT_TARGETS})")
@@ -185,7 +191,8 @@ def check_args(ap, args):
 
     conditions = crossover_conditions(args)
     for name in ("nproc", "hidden", "layers", "heads", "kv_heads", "experts", "topk", "moe_ffn",
-                 "seq", "micro_batch", "microbatches", "lora_rank", "block_steps", "cycles"):
+                 "seq", "micro_batch", "microbatches", "lora_rank", "block_steps", "cycles",
+                 "loss_scale_window", "hysteresis"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             bad("--" + name.replace("_", "-"), "must be >= 1", getattr(args, name))
     for name in ("warmup", "exclude_after_transition"):
@@ -208,6 +215,9 @@ def check_args(ap, args):
     args.crossover_ep_sizes = crossover_eps
     if not (args.lr > 0 and math.isfinite(args.lr)):
         bad("--lr", "must be a finite number > 0", args.lr)
+    if not (args.initial_loss_scale >= 1 and math.isfinite(args.initial_loss_scale)):
+        bad("--initial-loss-scale", "must be a finite number >= 1 (Megatron's min_loss_scale)",
+            args.initial_loss_scale)
     if not os.path.isfile(args.corpus):
         bad("--corpus", "must be a readable file", args.corpus)
     if os.path.getsize(args.corpus) < args.seq + 2:
@@ -290,6 +300,7 @@ class Trainer:
         self.corpus = Corpus(args.corpus, args.seq, args.seed)
         self.timers = None  # PhaseTimers while the crossover runs
         self.phases = {}
+        self.before_optimizer_step = None  # tests: f(trainer, step) after backward
 
     def build(self):
         import torch
@@ -307,6 +318,11 @@ class Trainer:
         a = self.args
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
+        # Every run starts from the same state, Megatron's class-level state included: the
+        # MoE aux-loss scale tensor is made by the first step and copied into after.
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
         ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                      expert_model_parallel_size=self.ep)
         torch.manual_seed(a.seed)
@@ -344,7 +360,9 @@ class Trainer:
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
         opt_config = OptimizerConfig(optimizer="adam", lr=a.lr, weight_decay=0.0, clip_grad=1.0,
                                      use_distributed_optimizer=True, bf16=bf16, fp16=fp16,
-                                     params_dtype=dtype)
+                                     params_dtype=dtype, initial_loss_scale=a.initial_loss_scale,
+                                     loss_scale_window=a.loss_scale_window,
+                                     hysteresis=a.hysteresis)
         self.optimizer = get_megatron_optimizer(opt_config, [self.model])
         if not a.no_grad_sync:  # (tests only: the silent pitfall of a hand-written loop)
             cpu.finalize_model_grads_config(config, [self.model], self.optimizer)
@@ -384,6 +402,8 @@ class Trainer:
             forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
             num_microbatches=len(batches), seq_length=a.seq, micro_batch_size=a.micro_batch,
             forward_only=False)
+        if self.before_optimizer_step is not None:  # tests: inject an overflow
+            self.before_optimizer_step(self, step)
         optimizer_start = time.perf_counter()
         ok, grad_norm, _ = self.optimizer.step()
         end = time.perf_counter()
