@@ -20,8 +20,10 @@ leanstep's own statistics. What a run does:
    (baseline, rmsnorm, grad, all, and baseline-aa, the baseline again)
    switches at block boundaries through the preset (:func:`leanstep.set_preset`)
    without rebuilding anything. Each rank logs every step (JSON Lines).
-4. Audits one step per condition (:func:`leanstep.audit`), and trains a
-   baseline and an "all" run on the same data for the agreement check.
+4. Audits one iteration per condition (:func:`leanstep.audit`), with the reads
+   of device memory by call site (:class:`leanstep.audit.DeviceMemory`: what a
+   GPU run would read), and trains a baseline and an "all" run on the same data
+   for the agreement check.
 
 Then it prints the per-condition step summary (step = max over ranks), the
 paired same-position reductions with intervals over runs, the audit table,
@@ -576,22 +578,58 @@ def run_ep(args, ep, rank, world, say):
 
 
 def audit_conditions(trainer, say, ep):
-    """One audited step per condition (each rank audits its own)."""
-    trainer.build()
-    trainer.step(0)  # the plans and buffers exist before the audited steps
+    """One audited iteration per condition (each rank audits its own): aten ops,
+    host syncs, host reads, and the reads of device memory by call site. Each
+    condition builds its run afresh under :class:`leanstep.audit.DeviceMemory`
+    (which tensors a GPU run keeps on the device: the model, the batches, what
+    Megatron allocates on "cuda", all that follows from them) and audits its
+    third step, after the plans, buffers and optimizer state exist. The MoE
+    patches run leanstep's kernels on the CPU here, as they run on a device."""
+    from leanstep.audit import DeviceMemory
+
+    from . import cpu
+    from .moe import cpu_kernels
+
     audits = {}
-    for i, condition in enumerate(CONDITIONS):
-        leanstep.set_preset(PRESETS[condition])
-        with leanstep.audit() as a:
-            trainer.step(1 + i)
-        audits[condition] = {"ops": a.num_ops, "view_ops": a.num_view_ops,
-                             "syncs": a.num_syncs, "host_reads": a.num_host_reads,
-                             "device_reads": a.num_device_reads,
-                             "top_syncs": [[str(k.site), n] for k, n in a.syncs.most_common(4)],
-                             # all of it, for the host-cost model (--model-from)
-                             "report": a.to_dict()}
-    say(f"[ep {ep}] audited one step per condition")
+    previous = cpu_kernels(True)
+    try:
+        for condition in CONDITIONS:
+            leanstep.set_preset(PRESETS[condition])
+            memory = DeviceMemory(cpu.ACCELERATOR)
+            with memory:
+                trainer.build()
+                for step in range(AUDIT_WARMUP):
+                    trainer.step(step)
+                with leanstep.audit(device_memory=memory,
+                                    stacklevel_filter="leanstep/megatron/cpu.py") as a:
+                    trainer.step(AUDIT_WARMUP)
+            audits[condition] = {"ops": a.num_ops, "view_ops": a.num_view_ops,
+                                 "syncs": a.num_syncs, "host_reads": a.num_host_reads,
+                                 "device_reads": a.num_device_reads,
+                                 "device_reads_by_site": device_reads_by_site(a),
+                                 "top_syncs": [[str(k.site), n] for k, n in a.syncs.most_common(4)],
+                                 # all of it, for the host-cost model (--model-from)
+                                 "report": a.to_dict()}
+    finally:
+        cpu_kernels(previous)
+    say(f"[ep {ep}] audited one iteration per condition")
     return audits
+
+
+AUDIT_WARMUP = 2  # steps before the audited one (fp16 at 2^32 overflows at first: these skip)
+
+
+def device_reads_by_site(a):
+    """[[count, "file:line (function)", what]] of an audit's reads of device memory,
+    the most frequent first (what: read kind, dtype and shape)."""
+    rows = {}
+    for r, n in a.host_reads.items():
+        if r.memory != "device":
+            continue
+        site = f"{os.path.basename(r.site.file)}:{r.site.line} ({r.site.function})"
+        key = (site, f"{r.kind} {r.dtype}[{','.join(map(str, r.shape))}]")
+        rows[key] = rows.get(key, 0) + n
+    return [[n, site, what] for (site, what), n in sorted(rows.items(), key=lambda kv: -kv[1])]
 
 
 def agreement(args, trainer, out_dir, rank, result, say, ep):
@@ -769,13 +807,23 @@ def format_results(r):
             for what, path in e.get("plots", {}).items():
                 lines.append(f"  plot ({what}): {path}")
         if "audit" in e:
-            lines.append("  audit of one step per condition (rank 0: aten ops (views), host "
-                         "syncs, host reads):")
+            lines.append("  audit of one iteration per condition (rank 0: aten ops (views), host "
+                         "syncs, host reads, of device memory):")
         # Rank 0's audit (keys are ints here, strings once read back from results.json).
         audits = e.get("audit") or {}
-        for cond, a in audits.get(0, audits.get("0", {})).items():
+        rank0 = audits.get(0, audits.get("0", {}))
+        for cond, a in rank0.items():
             lines.append(f"    {cond:<9} {a['ops']:>6} ({a['view_ops']}) {a['syncs']:>4} "
-                         f"{a['host_reads']:>4}")
+                         f"{a['host_reads']:>4} {a.get('device_reads', 0):>4}")
+        if rank0:
+            lines.append("  reads of device memory per iteration by call site (rank 0; what a "
+                         "GPU run reads, seen by leanstep.audit.DeviceMemory):")
+        for cond, a in rank0.items():
+            rows = a.get("device_reads_by_site", [])
+            lines.append(f"    {cond}: {sum(n for n, _, _ in rows)}"
+                         + ("" if rows else " (none)"))
+            for n, site, what in rows:
+                lines.append(f"      {n:>3}  {site}  {what}")
         ag = e.get("agreement")
         if ag:
             lines.append(f"  agreement over {ag['steps']} steps, all vs baseline: loss mean |diff| "
