@@ -1,4 +1,9 @@
-"""Oracles and tolerances shared by the Python tests."""
+"""Helpers shared by the Python tests: the bound checks of the tolerance table
+(leanstep._tolerances) as assertions, the C++ rule's hostile MoE calls, a
+one-rank gloo group. Case generators and oracles of the ops are the
+conformance harness's (test_conformance.py); the ulp helpers below serve the
+C++-path tests (test_grad, test_moe, test_rmsnorm, test_reliability) and the
+Megatron ones."""
 
 import contextlib
 import os
@@ -8,6 +13,7 @@ import numpy as np
 import torch
 
 import leanstep
+from leanstep._tolerances import Tolerance, check, tolerance
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -77,6 +83,33 @@ def assert_within_ulps(actual, expected_f64, dtype, ulps=1.0, atol=0.0):
         raise AssertionError(
             f"{bad.sum()} of {bad.size} elements off by more than {ulps} ulp(s) + {atol}: "
             f"first at {tuple(i)}: got {a[tuple(i)]!r}, expected {expected_f64[tuple(i)]!r}")
+
+
+#: Two runs of one computation that must agree in every bit (a grid size, a
+#: path that must change nothing, the same kernels by two entry points).
+SAME_BITS = Tolerance(exact=True, why="the same computation: the same bits, NaN as NaN")
+
+
+def assert_within(actual, expected, tol, **kwargs):
+    """`actual` within `tol` of `expected` (leanstep._tolerances.check, both
+    moved to the host): `tol` is a (family, quantity) key of the tolerance
+    table or a Tolerance; kwargs are check's (dtype, scale, terms). None
+    matches None only."""
+    if isinstance(tol, tuple):
+        tol = tolerance(*tol)
+    if actual is None or expected is None:
+        assert actual is None and expected is None, f"got {actual!r}, expected {expected!r}"
+        return
+    scale = kwargs.get("scale")
+    if isinstance(scale, torch.Tensor):
+        kwargs["scale"] = scale.detach().cpu()
+    why = check(actual.detach().cpu(), expected.detach().cpu(), tol, **kwargs)
+    assert why is None, f"{why} [{tol.describe()}: {tol.why}]"
+
+
+def assert_bitwise(actual, expected):
+    """Every bit the same (NaN as NaN), dtype and shape included."""
+    assert_within(actual, expected, SAME_BITS)
 
 
 def moe_hostile_calls(torch_gen, device="cpu"):

@@ -16,7 +16,9 @@ Backends:
   triton for a device, one test reruns these cases in a fresh process);
 - ``meta``: the torch-op backend on meta tensors, where any host read of a
   value raises: outputs are checked for shape and dtype only, and the audit
-  for zero device reads.
+  for zero device reads and zero syncs (explicit or inside an op);
+- ``torch-sort`` and ``meta-sort``: the torch-op backend's second method
+  (``method="sort"``), for the ops that have one (moe.permute).
 
 Oracles: the C++ reference on the same inputs; where it is not exact (norms,
 RMSNorm, the MoE sums and dot products) also a float64 computation; the MoE
@@ -47,7 +49,10 @@ try:
 except ImportError:  # collected without tests/python/conftest.py
     SEED = int(os.environ.get("LEANSTEP_TEST_SEED", "0"))
 
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              # eps = 0 and a zero row (rmsnorm): the interpreter's numpy divides by zero
+              pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")]
 
 
 def _load_triton():
@@ -74,7 +79,9 @@ FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
 NORM_DTYPES = ("fp32", "fp16", "bf16")  # RMSNorm and the MoE tokens: no fp64
 ODD_SIZES = (1, 3, 17, 1037)
 MOE_TOKENS = (1, 3, 17, 347)  # of 3 elements each: the largest holds 1041
-NONFINITE = [(value, where) for value in ("inf", "nan") for where in ("first", "middle", "last")]
+NONFINITE = [(value, where) for value in ("inf", "-inf", "nan")
+             for where in ("first", "middle", "last")]
+SPECIAL_NAME = {"inf": "inf", "-inf": "neg-inf", "nan": "nan"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,30 +108,70 @@ def _case(op, name, dtype, special=None, where=None, **options):
     return Case(op, name, dtype, tuple(sorted(options.items())), special, where)
 
 
+#: The grad ops that report found_inf: their non-finite cases place each
+#: value first, in the middle and last of the list; the other ops see each
+#: value in the middle.
+FOUND_INF_OPS = ("grad.norm", "grad.unscale_norm", "grad.unscale", "grad.multi_tensor_scale")
+#: The scalar each op takes (scale, inv_scale, max_norm's share of the norm).
+SCALAR_OPS = ("grad.unscale_norm", "grad.unscale", "grad.scale", "grad.multi_tensor_scale")
+#: A scalar that overflows fp16 (and bf16 for scale) from values of magnitude 3.
+OVERFLOW_SCALAR = {"grad.unscale_norm": 3.0e4, "grad.unscale": 3.0e4, "grad.scale": 7.0e4,
+                   "grad.multi_tensor_scale": 3.0e4}
+#: multi_tensor_scale's default destination per source dtype (None: in place);
+#: the other destinations are cases of their own.
+MTS_DESTINATION = {torch.float32: torch.float16, torch.float16: torch.float32,
+                   torch.bfloat16: None, torch.float64: torch.bfloat16}
+
+
 def _grad_cases():
-    found_inf_ops = ("grad.norm", "grad.unscale_norm", "grad.unscale", "grad.multi_tensor_scale")
     for op in ("grad.norm", "grad.unscale_norm", "grad.unscale", "grad.clip", "grad.scale",
                "grad.count_zeros", "grad.norm_clip", "grad.multi_tensor_scale"):
-        norm_types = (2.0, math.inf) if op == "grad.norm" else (None,)
+        norm_types = (2.0, math.inf, 1.0, 1.5) if op == "grad.norm" else (None,)
         for p in norm_types:
             tag = "" if p is None else f"-p{p:g}"
+            general_p = p in (1.0, 1.5)  # the views and non-finite layouts only
             for dname, dtype in FLOATS.items():  # the planner takes all four
-                for n in ODD_SIZES:
-                    yield _case(op, f"{dname}-n{n}{tag}", dtype, layout="one", size=n, p=p)
+                if not general_p:
+                    for n in ODD_SIZES:
+                        yield _case(op, f"{dname}-n{n}{tag}", dtype, layout="one", size=n, p=p)
+                    yield _case(op, f"{dname}-empty-tensors{tag}", dtype, layout="empty-tensors",
+                                p=p)
                 yield _case(op, f"{dname}-views{tag}", dtype, layout="views", p=p)
-                yield _case(op, f"{dname}-empty-tensors{tag}", dtype, layout="empty-tensors", p=p)
-                if op in found_inf_ops:
-                    for value, where in NONFINITE:
-                        yield _case(op, f"{dname}-{value}-{where}{tag}", dtype, value, where,
-                                    layout="nonfinite", p=p)
-            yield _case(op, f"empty-list{tag}", torch.float32, layout="empty-list", p=p)
-        if op == "grad.norm":  # p = 1 and a general p
-            for p in (1.0, 1.5):
-                for dname in ("fp32", "bf16"):
-                    yield _case(op, f"{dname}-views-p{p:g}", FLOATS[dname], layout="views", p=p)
-        if op == "grad.unscale_norm":  # inv_scale as a device scalar
-            yield _case(op, "fp32-views-tensor-scale", torch.float32, layout="views",
-                        tensor_scale=True)
+                wheres = ("first", "middle", "last") if op in FOUND_INF_OPS else ("middle",)
+                for value, where in NONFINITE:
+                    if where in wheres:
+                        yield _case(op, f"{dname}-{SPECIAL_NAME[value]}-{where}{tag}", dtype,
+                                    value, where, layout="nonfinite", p=p)
+                yield from _grad_scalar_cases(op, dname, dtype)
+            if not general_p:
+                yield _case(op, f"empty-list{tag}", torch.float32, layout="empty-list", p=p)
+
+
+def _grad_scalar_cases(op, dname, dtype):
+    """The cases of one op and dtype beyond the layouts: the scalar as a device
+    tensor or one that overflows, the clip coefficient's edges, the
+    multi_tensor_scale destinations."""
+    views = dict(layout="views")
+    if op in SCALAR_OPS:
+        yield _case(op, f"{dname}-views-tensor-scale", dtype, tensor_scale=True, **views)
+        yield _case(op, f"{dname}-views-overflow", dtype, scalar=OVERFLOW_SCALAR[op], **views)
+    if op == "grad.clip":
+        yield _case(op, f"{dname}-views-coeff-one", dtype, max_norm=1.0e30, **views)
+        yield _case(op, f"{dname}-views-number-norm", dtype, number_norm=True, **views)
+        for norm in ("nan", "inf", "0"):  # NaN stays NaN (never 1), inf gives 0, 0 gives 1
+            yield _case(op, f"{dname}-views-norm-{norm}", dtype, given_norm=float(norm),
+                        max_norm=1.0, **views)
+    if op == "grad.multi_tensor_scale":
+        for dst_name in ("fp32", "fp16", "bf16", "fp64", "in-place"):
+            dst = FLOATS.get(dst_name)
+            if dst != MTS_DESTINATION[dtype]:
+                yield _case(op, f"{dname}-views-to-{dst_name}", dtype, dst=dst_name, **views)
+        if dtype in (torch.float32, torch.float64):  # sources past fp16's range: no fp16 step
+            yield _case(op, f"{dname}-views-wide-source", dtype, magnitude=1.0e5, **views)
+
+
+#: Rows wider than this leave the Triton kernels' one-block path (MAX_SINGLE_BLOCK).
+RMSNORM_WIDE = (2, 9000)
 
 
 def _rmsnorm_cases():
@@ -136,18 +183,28 @@ def _rmsnorm_cases():
                 dtype = FLOATS[dname]
                 for h in ODD_SIZES:
                     yield _case(op, f"{dname}-h{h}{tag}", dtype, shape=(3, h), trainable=train)
+                yield _case(op, f"{dname}-wide{tag}", dtype, shape=RMSNORM_WIDE, trainable=train)
                 yield _case(op, f"{dname}-rows37{tag}", dtype, shape=(37, 29),
                             trainable=train)
                 yield _case(op, f"{dname}-3d{tag}", dtype, shape=(2, 3, 17), trainable=train)
                 yield _case(op, f"{dname}-rows0{tag}", dtype, shape=(0, 16), trainable=train)
                 yield _case(op, f"{dname}-zero-centered{tag}", dtype, shape=(5, 17),
                             trainable=train, zero_centered_gamma=True)
+                if dname != "fp32":  # a weight wider than x
+                    yield _case(op, f"{dname}-fp32-weight{tag}", dtype, shape=(5, 17),
+                                weight_dtype=torch.float32, trainable=train)
         if op == "rmsnorm.forward":  # the rounding order only the forward has
             for dname in NORM_DTYPES:
-                yield _case(op, f"{dname}-cast-then-scale", FLOATS[dname], shape=(5, 17),
+                dtype = FLOATS[dname]
+                yield _case(op, f"{dname}-cast-then-scale", dtype, shape=(5, 17),
                             rounding="cast_then_scale")
-        yield _case(op, "bf16-fp32-weight", torch.bfloat16, shape=(5, 17),
-                    weight_dtype=torch.float32, trainable=trainable[0])
+                for shape, name in (((5, 17), ""), (RMSNORM_WIDE, "-wide")):
+                    yield _case(op, f"{dname}-cast-then-scale-fp32-weight{name}", dtype,
+                                shape=shape, rounding="cast_then_scale",
+                                weight_dtype=torch.float32)
+                # eps = 0 and a row of zeros: rstd inf and y NaN there, as torch's
+                yield _case(op, f"{dname}-eps0-zero-row", dtype, shape=(3, 17), eps=0.0,
+                            zero_row=True)
 
 
 #: The MoE ops' data dtypes: the gathers move any float dtype; the sums, their
@@ -163,15 +220,32 @@ def _moe_cases():
     t17, empty = dict(base, tokens=17), dict(base, tokens=0)
     variants = {  # op -> (name, options) beyond the odd token counts
         "moe.permute": [("more-rows", dict(t17, extra_rows=5)),
+                        ("exact-rows", dict(t17, extra_rows=0)),
+                        # more rows than the [E, T + 1] layout of the fused method has codes for
+                        ("more-rows-than-codes", dict(base, tokens=3, extra_rows=30)),
+                        ("nothing-routed", dict(t17, topk=0, extra_rows=5)),
                         ("drop-and-pad", dict(t17, capacity=6)),
+                        ("drop-and-pad-capacity0", dict(t17, capacity=0)),
+                        ("drop-and-pad-capacity-t", dict(t17, capacity=17)),
                         ("no-probs", dict(t17, probs=None)),
                         ("bf16-probs", dict(t17, probs=torch.bfloat16)),
                         ("empty", empty), ("empty-3-rows", dict(empty, extra_rows=3))],
         "moe.unpermute": [("slots", dict(t17, form="slots")),
                           ("no-probs-more-rows", dict(t17, form=None, extra_rows=5)),
+                          ("bf16-probs", dict(t17, form="map", probs=torch.bfloat16)),
+                          ("int32-indices", dict(t17, form="map", index_dtype=torch.int32)),
                           ("drop-and-pad", dict(t17, form="map", capacity=6)),
+                          ("drop-and-pad-slots", dict(t17, form="slots", capacity=6)),
+                          ("drop-and-pad-no-probs", dict(t17, form=None, capacity=6)),
+                          # indices of no permute: duplicates, -1 anywhere, tokens never hit
+                          ("any-indices", dict(t17, form="slots", any_indices=40)),
+                          ("any-indices-no-probs", dict(t17, form=None, any_indices=40)),
+                          ("nothing-routed", dict(t17, form=None, topk=0, extra_rows=5)),
                           ("empty", dict(empty, form="map"))],
-        "moe.permute_backward": [("more-rows", dict(t17, extra_rows=5)), ("empty", empty)],
+        "moe.permute_backward": [("more-rows", dict(t17, extra_rows=5)),
+                                 ("int32-indices", dict(t17, index_dtype=torch.int32)),
+                                 ("any-indices", dict(t17, any_indices=40)),
+                                 ("empty", empty)],
         "moe.unpermute_backward": [("slots", dict(t17, form="slots")),
                                    ("no-probs", dict(t17, form=None)),
                                    ("bf16-probs", dict(t17, form="map", probs=torch.bfloat16)),
@@ -180,7 +254,10 @@ def _moe_cases():
         "moe.permute_probs_backward": [("drop-and-pad", dict(t17, capacity=6)),
                                        ("empty", empty)],
         "moe.sort_chunks_by_idxs": [("tail-rows", dict(t17, chunks=4, tail=3)),
+                                    ("int32-sizes", dict(t17, chunks=4, tail=3,
+                                                         index_dtype=torch.int32)),
                                     ("probs", dict(t17, chunks=4, tail=2, probs=torch.float32)),
+                                    ("no-chunks", dict(base, tokens=7, chunks=0, tail=7)),
                                     ("empty", dict(empty, chunks=3, tail=0))],
     }
     for op, dtypes in MOE_DTYPES.items():
@@ -197,7 +274,7 @@ def _moe_cases():
             if op == "moe.permute":  # a gather copies inf and NaN like any other bits
                 yield _case(op, f"{dname}-nonfinite", dtype, nonfinite=True, **t17)
     for t in MOE_TOKENS + (0,):  # a bool map: its one dtype
-        for multiple in (3, 8):
+        for multiple in (1, 3, 8):
             yield _case("moe.pad_routing_map", f"t{t}-multiple{multiple}", torch.bool,
                         **dict(base, tokens=t, multiple=multiple))
 
@@ -205,11 +282,27 @@ def _moe_cases():
 CASES = [*_grad_cases(), *_rmsnorm_cases(), *_moe_cases()]
 
 
+def named_case(op, name):
+    """The case of the list with this op and name (other test modules run it too)."""
+    (case,) = [c for c in CASES if c.op == op and c.name == name]
+    return case
+
+
+def case_inputs(op, name, gen):
+    """The inputs of the named case drawn from `gen`, on the CPU (for tests
+    outside the case list: their own checks on the harness's inputs)."""
+    return SPECS[op.split(".")[0]].inputs(named_case(op, name), gen)
+
+
 # ---------------------------------------------------------------- backends
 
 @functools.lru_cache(maxsize=None)
 def _cpu_implementations(op):
     return {impl["name"] for impl in leanstep.paths()["ops"][op]["cpu"]["implementations"]}
+
+
+#: The ops whose torch-op backend has a second method, method="sort".
+TORCH_SORT_OPS = ("moe.permute",)
 
 
 def backends_of(op):
@@ -223,16 +316,22 @@ def backends_of(op):
             out.append("cpu-fast")
         out.append("cpu-reference")
     if "torch" in table:
-        out.append("torch")
+        out += ["torch"] + (["torch-sort"] if op in TORCH_SORT_OPS else [])
     if "triton" in table:
         out.append("triton")
     if "torch" in table:
-        out.append("meta")
+        out += ["meta"] + (["meta-sort"] if op in TORCH_SORT_OPS else [])
     return out
 
 
+def is_meta(backend):
+    return backend in ("meta", "meta-sort")
+
+
 def device_of(backend):
-    return {"meta": torch.device("meta"), "triton": TRITON_DEVICE}.get(backend, torch.device("cpu"))
+    if is_meta(backend):
+        return torch.device("meta")
+    return TRITON_DEVICE if backend == "triton" else torch.device("cpu")
 
 
 def place(t, backend):
@@ -258,8 +357,11 @@ def preset_of(backend):
 
 
 def device_kwargs(backend):
-    return {"torch": {"backend": "torch"}, "meta": {"backend": "torch"},
-            "triton": {"backend": "triton"}}.get(backend, {})
+    if backend in ("torch", "meta"):
+        return {"backend": "torch"}
+    if backend in ("torch-sort", "meta-sort"):
+        return {"backend": "torch", "method": "sort"}
+    return {"backend": "triton"} if backend == "triton" else {}
 
 
 def to_host(value):
@@ -288,9 +390,11 @@ def case_seed(case):
 
 
 class Verdict:
-    """The comparisons of one run, collected, then reported together."""
+    """The comparisons of one run, collected, then reported together. A test
+    outside the case list makes one without a case and reports without a seed
+    (its own inputs), using the same comparisons."""
 
-    def __init__(self, case, backend):
+    def __init__(self, case=None, backend=None):
         self.case, self.backend = case, backend
         self.failures = []
 
@@ -326,10 +430,12 @@ class Verdict:
     def fail(self, what):
         self.failures.append(what)
 
-    def report(self, seed):
+    def report(self, seed=None):
         if not self.failures:
             return
         case = self.case
+        if case is None:
+            raise Disagreement("\n  ".join(["outside the stated tolerances:"] + self.failures))
         what = f"dtype {case.dtype}, {dict(case.options)}"
         if case.special:
             what += f", {case.special} at the {case.where} element"
@@ -349,11 +455,12 @@ def conform(case, backend):
     inputs = spec.inputs(case, gen)
     verdict = Verdict(case, backend)
     reference = spec.run(case, "cpu-reference", inputs)
-    if backend == "meta":
+    if is_meta(backend):
         with leanstep.audit() as audit:
             got = spec.run(case, backend, inputs)
-        if audit.num_device_reads or audit.num_syncs:
-            verdict.fail(f"host reads on meta tensors: {audit.summary()}")
+        if audit.num_device_reads or audit.num_syncs or audit.num_implicit_syncs:
+            verdict.fail(f"host reads or syncs on meta tensors: {audit.summary()}, "
+                         f"{audit.num_implicit_syncs} inside ops")
         for name, expected in reference.items():
             verdict.expect_like(name, got.get(name), expected)
     else:
@@ -365,9 +472,10 @@ def conform(case, backend):
 # ---------------------------------------------------------------- grad
 
 
-def _grad_layout(case, gen):
+def grad_layout(case, gen):
     """(buffers, views as (buffer, shape, stride, offset)) of the case's grad list."""
     dtype, layout = case.dtype, case.get("layout")
+    magnitude = case.get("magnitude") or 3.0
     if layout == "empty-list":
         return [], []
     if layout == "empty-tensors":
@@ -375,7 +483,7 @@ def _grad_layout(case, gen):
             (0, (0,), (1,), 0), (1, (0,), (1,), 0)]
     if layout == "one":
         n = case.get("size")
-        buffers, views = [randn(n, dtype, gen, 3.0)], [(0, (n,), (1,), 0)]
+        buffers, views = [randn(n, dtype, gen, magnitude)], [(0, (n,), (1,), 0)]
     else:
         sizes = (3, 17, 40) if layout == "nonfinite" else ODD_SIZES
         views, at = [], 0
@@ -384,22 +492,24 @@ def _grad_layout(case, gen):
             at += n + 1 + i % 3  # gaps no grad lists: they must stay untouched
         if layout == "views":
             views.append(views[2])                  # listed twice: multiplicity 2
+            views.append((0, (20,), (1,), views[3][3] + 10))  # overlaps: multiplicity 2 there
             views.append((0, (8, 6), (1, 8), at))   # transposed: a generic view
             views.append((0, (0,), (1,), at + 48))  # empty
             views.append((1, (77,), (1,), 0))       # another storage
             at += 49
-        buffers = [randn(at, dtype, gen, 3.0), randn(77, dtype, gen, 3.0)]
+        buffers = [randn(at, dtype, gen, magnitude), randn(77, dtype, gen, magnitude)]
     for b in buffers:  # zeros of both signs for count_zeros (none in a 1-element grad)
         b[2::5] = 0.0
         b[4::7] = -0.0
     return buffers, views
 
 
-def _views(buffers, layout):
+def grad_views(buffers, layout):
+    """The listed views of grad_layout's (buffers, layout)."""
     return [buffers[b].as_strided(shape, stride, offset) for b, shape, stride, offset in layout]
 
 
-def _grad_oracle_norm(views, p):
+def grad_oracle_norm(views, p):
     """The p-norm of every listed element (a view listed twice counts twice), float64."""
     flat = torch.cat([f64(v).reshape(-1) for v in views] + [torch.zeros(0, dtype=torch.float64)])
     if flat.numel() == 0:
@@ -409,29 +519,47 @@ def _grad_oracle_norm(views, p):
     return (flat.abs() ** p).sum().pow(1.0 / p).reshape(1)
 
 
-MTS_DESTINATION = {torch.float32: torch.float16, torch.float16: torch.float32,
-                   torch.bfloat16: None, torch.float64: torch.bfloat16}  # None: in place
-
-
 class GradSpec:
     family = "grad"
 
     def inputs(self, case, gen):
-        buffers, layout = _grad_layout(case, gen)
+        buffers, layout = grad_layout(case, gen)
         if case.special:
-            views = _views(buffers, layout)
+            views = grad_views(buffers, layout)
             listed = [v for v in views if v.numel()]
             target = {"first": listed[0], "middle": listed[len(listed) // 2],
                       "last": listed[-1]}[case.where]
             index = {"first": 0, "middle": target.numel() // 2, "last": -1}[case.where]
             target[index] = float(case.special)  # the nonfinite layout's views are 1-D
-        norm = _grad_oracle_norm(_views(buffers, layout), 2.0).float()
-        return dict(buffers=buffers, layout=layout, norm=norm,
-                    max_norm=0.37 * float(norm) if math.isfinite(float(norm)) else 1.0)
+        norm = grad_oracle_norm(grad_views(buffers, layout), 2.0).float()
+        max_norm = case.get("max_norm") or (
+            0.37 * float(norm) if math.isfinite(float(norm)) else 1.0)
+        if case.get("given_norm") is not None:
+            norm = torch.tensor([case.get("given_norm")])
+        # clip's norm as a host number (read here, not inside a backend's run)
+        number_norm = 3.0 * float(norm) if case.get("number_norm") else None
+        return dict(buffers=buffers, layout=layout, norm=norm, max_norm=max_norm,
+                    number_norm=number_norm)
+
+    @staticmethod
+    def scalar(case, backend):
+        """The op's scalar: a number, or a 1-element fp32 tensor where the backend runs."""
+        default = {"unscale_norm": 0.125 if case.get("tensor_scale") else 1.0 / 3.0,
+                   "unscale": 1.0 / 3.0, "scale": 0.3, "multi_tensor_scale": 0.01}
+        value = case.get("scalar") or default[case.op.split(".")[1]]
+        return place(torch.tensor([value]), backend) if case.get("tensor_scale") else value
+
+    @staticmethod
+    def destination(case):
+        """multi_tensor_scale's destination dtype (None: in place)."""
+        name = case.get("dst")
+        if name is None:
+            return MTS_DESTINATION[case.dtype]
+        return FLOATS.get(name)  # "in-place": None
 
     def run(self, case, backend, inputs):
         buffers = [place(b, backend) for b in inputs["buffers"]]
-        views = _views(buffers, inputs["layout"])
+        views = grad_views(buffers, inputs["layout"])
         kwargs = device_kwargs(backend)
         like = place(torch.zeros(1), backend) if not views else None
         op = case.op.split(".")[1]
@@ -439,13 +567,13 @@ class GradSpec:
         before = _cpu_calls(case.op)
         with preset_of(backend):
             if op == "multi_tensor_scale":
-                destination = MTS_DESTINATION[case.dtype]
+                destination = self.destination(case)
                 dst = views if destination is None else [
                     torch.zeros(v.shape, dtype=destination, device=device_of(backend))
                     for v in views]
                 flag = None if views else place(torch.zeros(1), backend)
-                out["found_inf"] = leanstep.multi_tensor_scale(views, dst, 0.01, found_inf=flag,
-                                                               **kwargs)
+                out["found_inf"] = leanstep.multi_tensor_scale(
+                    views, dst, self.scalar(case, backend), found_inf=flag, **kwargs)
                 if destination is not None:
                     out.update({f"dst[{i}]": d for i, d in enumerate(dst)})
             else:
@@ -453,15 +581,16 @@ class GradSpec:
                 if op == "norm":
                     out["norm"], out["found_inf"] = plan.norm(case.get("p"))
                 elif op == "unscale_norm":
-                    inv = place(torch.tensor([0.125]), backend) if case.get("tensor_scale") \
-                        else 1.0 / 3.0
-                    out["norm"], out["found_inf"] = plan.norm(2.0, inv_scale=inv)
+                    out["norm"], out["found_inf"] = plan.norm(
+                        2.0, inv_scale=self.scalar(case, backend))
                 elif op == "unscale":
-                    out["found_inf"] = plan.unscale_(1.0 / 3.0)
+                    out["found_inf"] = plan.unscale_(self.scalar(case, backend))
                 elif op == "clip":
-                    out["coeff"] = plan.clip_(inputs["max_norm"], place(inputs["norm"], backend))
+                    norm = (inputs["number_norm"] if case.get("number_norm")
+                            else place(inputs["norm"], backend))
+                    out["coeff"] = plan.clip_(inputs["max_norm"], norm)
                 elif op == "scale":
-                    plan.scale_(0.3)
+                    plan.scale_(self.scalar(case, backend))
                 elif op == "count_zeros":
                     out["zeros"] = plan.count_zeros()
                 elif op == "norm_clip":
@@ -472,7 +601,7 @@ class GradSpec:
             ran = {impl for impl, n in _cpu_calls(case.op).items() if n > before.get(impl, 0)}
             wanted = "reference" if backend == "cpu-reference" else "fused"
             assert ran == {wanted}, f"{case.id} on {backend}: the C++ registry ran {ran}"
-        return {k: to_host(v) if backend != "meta" else v for k, v in out.items()}
+        return {k: to_host(v) if not is_meta(backend) else v for k, v in out.items()}
 
     def compare(self, case, inputs, got, ref, verdict):
         op = case.op.split(".")[1]
@@ -481,9 +610,9 @@ class GradSpec:
             if name == "norm":
                 verdict.expect(name, actual, expected, ("grad", "norm_between_backends"))
                 # The norm of the values the op saw (unscaled: the reference's result).
-                values = (_views(ref_buffers(ref), inputs["layout"]) if op == "unscale_norm"
-                          else _views(inputs["buffers"], inputs["layout"]))
-                exact = _grad_oracle_norm(values, case.get("p") or 2.0)
+                values = (grad_views(ref_buffers(ref), inputs["layout"]) if op == "unscale_norm"
+                          else grad_views(inputs["buffers"], inputs["layout"]))
+                exact = grad_oracle_norm(values, case.get("p") or 2.0)
                 if bool(torch.isfinite(exact).all()):
                     verdict.expect(name, actual.double(), exact, ("grad", "norm"),
                                    oracle="float64", dtype=torch.float32)
@@ -513,24 +642,120 @@ def ref_buffers(ref):
 RMSNORM_EPS = 1e-4  # with inputs of scale 1e-2: an eps ignored fails the bounds
 
 
+def rmsnorm_inputs(shape, dtype, gen, weight_dtype=None, scale=1e-2):
+    """(x, weight, dy) of the harness: x of the given scale, weights in [0.5, 1.5)."""
+    x = randn(shape, dtype, gen, scale)
+    w = (torch.rand(shape[-1], generator=gen, dtype=torch.float64) + 0.5).to(
+        weight_dtype or dtype)
+    dy = randn(shape, dtype, gen)
+    return x, w, dy
+
+
+def rmsnorm_forward_oracle(x, w, eps, zero_centered_gamma=False, rounding="scale_then_cast"):
+    """(y, rstd, the table's key of y) in float64 (docs/rmsnorm.md; eps is used as
+    fp32). cast_then_scale rounds x * r to x's dtype before g multiplies it."""
+    x64, w64 = f64(x), f64(w)
+    g = 1.0 + w64 if zero_centered_gamma else w64
+    eps = float(torch.tensor(eps, dtype=torch.float32))
+    r = 1.0 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + eps)
+    if rounding == "cast_then_scale":
+        return g * (x64 * r).to(x.dtype).double(), r.squeeze(-1), ("rmsnorm", "y_cast_then_scale")
+    return x64 * r * g, r.squeeze(-1), ("rmsnorm", "y")
+
+
+def expect_rmsnorm_forward(verdict, y, rstd, expected, dtype, oracle="float64", between=False):
+    """y (of `dtype`) and rstd (None: not compared) against `expected` = (y,
+    rstd, key of y): the float64 oracle's, or another backend's with `between`."""
+    y_expected, rstd_expected, key = expected
+    for what, value, wanted in (("y", y, dtype), ("rstd", rstd, torch.float32)):
+        if value is not None and value.dtype != wanted:
+            verdict.fail(f"{what}: dtype {value.dtype}, expected {wanted}")
+    e = f64(y_expected)
+    row_max = e.abs().amax(-1, keepdim=True) if e.numel() else e
+    verdict.expect("y", f64(y), e, key, oracle, between, dtype=dtype, scale=row_max)
+    if rstd is not None:
+        verdict.expect("rstd", f64(rstd), f64(rstd_expected), ("rmsnorm", "rstd"), oracle,
+                       between, dtype=torch.float32)
+
+
+def rmsnorm_backward_oracle(dy, x, rstd, w, zero_centered_gamma=False):
+    """float64 dx and dweight from the saved rstd, with the scales of their
+    bounds (docs/rmsnorm.md): dx cancels, so its bound follows the terms
+    r (|g dy| + |xhat| (|m| + mean|g dy xhat|)) over H; dweight's is
+    sum over the rows of |dy xhat|."""
+    x64, dy64 = f64(x), f64(dy)
+    g = 1.0 + f64(w) if zero_centered_gamma else f64(w)
+    hidden = x64.shape[-1]
+    r = f64(rstd).reshape(x64.shape[:-1] + (1,))
+    xhat = x64 * r
+    gdy = g * dy64
+    m = (gdy * xhat).mean(-1, keepdim=True)
+    terms = r * (gdy.abs() + xhat.abs() * (m.abs() + (gdy * xhat).abs().mean(-1, keepdim=True)))
+    return dict(dx=r * (gdy - xhat * m), dx_scale=terms, hidden=hidden,
+                dweight=(dy64 * xhat).reshape(-1, hidden).sum(0),
+                dweight_scale=(dy64 * xhat).abs().reshape(-1, hidden).sum(0),
+                rows=x64.numel() // max(hidden, 1), weight_dtype=w.dtype, dtype=x.dtype)
+
+
+def expect_rmsnorm_backward(verdict, dx, dweight, bounds, expected_dx, expected_dweight,
+                            oracle="float64", between=False):
+    """dx and dweight against the expected ones (None: no dweight), within the
+    table's bounds of scales `bounds` (rmsnorm_backward_oracle's)."""
+    for what, value, wanted in (("dx", dx, bounds["dtype"]),
+                                ("dweight", dweight, bounds["weight_dtype"])):
+        if value is not None and value.dtype != wanted:
+            verdict.fail(f"{what}: dtype {value.dtype}, expected {wanted}")
+    verdict.expect("dx", f64(dx), f64(expected_dx), ("rmsnorm", "dx"), oracle, between,
+                   dtype=bounds["dtype"], scale=bounds["dx_scale"], terms=bounds["hidden"])
+    if expected_dweight is None:
+        verdict.expect("dweight", dweight, None, ("rmsnorm", "dweight"), oracle)
+        return
+    verdict.expect("dweight", None if dweight is None else f64(dweight), f64(expected_dweight),
+                   ("rmsnorm", "dweight"), oracle, between, dtype=bounds["weight_dtype"],
+                   scale=bounds["dweight_scale"], terms=bounds["rows"])
+
+
+def assert_rmsnorm_forward(y, x, w, eps, zero_centered_gamma=False, rounding="scale_then_cast",
+                           rstd=None):
+    """For tests outside the case list: y (and rstd) within the table's bounds
+    of the float64 oracle, or a Disagreement naming what is not."""
+    verdict = Verdict()
+    expect_rmsnorm_forward(verdict, y, rstd, rmsnorm_forward_oracle(
+        x, w, eps, zero_centered_gamma, rounding), x.dtype)
+    verdict.report()
+
+
+def assert_rmsnorm_backward(dx, dy, x, rstd, w, zero_centered_gamma=False, dweight=None,
+                            trainable=False):
+    """For tests outside the case list: dx (and dweight when trainable) within
+    the table's bounds of the float64 oracle from the saved rstd."""
+    verdict = Verdict()
+    bounds = rmsnorm_backward_oracle(dy, x, rstd, w, zero_centered_gamma)
+    expect_rmsnorm_backward(verdict, dx, dweight, bounds, bounds["dx"],
+                            bounds["dweight"] if trainable else None)
+    verdict.report()
+
+
 class RMSNormSpec:
     family = "rmsnorm"
 
     def inputs(self, case, gen):
-        shape = case.get("shape")
-        x = randn(shape, case.dtype, gen, 1e-2)
-        w = (torch.rand(shape[-1], generator=gen, dtype=torch.float64) + 0.5).to(
-            case.get("weight_dtype") or case.dtype)
-        dy = randn(shape, case.dtype, gen)
+        x, w, dy = rmsnorm_inputs(case.get("shape"), case.dtype, gen, case.get("weight_dtype"))
+        if case.get("zero_row"):
+            x[0] = 0.0
         inputs = dict(x=x, w=w, dy=dy)
         if case.op == "rmsnorm.backward":  # the saved rstd every backend is given
-            inputs["rstd"] = leanstep.rms_norm(x, w, RMSNORM_EPS, self._zcg(case),
+            inputs["rstd"] = leanstep.rms_norm(x, w, self._eps(case), self._zcg(case),
                                                impl="reference")[1]
         return inputs
 
     @staticmethod
     def _zcg(case):
         return bool(case.get("zero_centered_gamma"))
+
+    @staticmethod
+    def _eps(case):
+        return RMSNORM_EPS if case.get("eps") is None else case.get("eps")
 
     def run(self, case, backend, inputs):
         x, w, dy = (place(inputs[k], backend) for k in ("x", "w", "dy"))
@@ -541,59 +766,32 @@ class RMSNormSpec:
             kwargs = {"impl": "reference"}
         zcg = self._zcg(case)
         if case.op == "rmsnorm.forward":
-            y, rstd = leanstep.rms_norm(x, w, RMSNORM_EPS, zcg,
+            y, rstd = leanstep.rms_norm(x, w, self._eps(case), zcg,
                                         case.get("rounding") or "scale_then_cast", **kwargs)
             out = dict(y=y, rstd=rstd)
         else:
             dx, dweight = leanstep.rms_norm_backward(dy, x, place(inputs["rstd"], backend), w, zcg,
                                                      bool(case.get("trainable")), **kwargs)
             out = dict(dx=dx, dweight=dweight)
-        return {k: to_host(v) if backend != "meta" else v for k, v in out.items()}
+        return {k: to_host(v) if not is_meta(backend) else v for k, v in out.items()}
 
     def compare(self, case, inputs, got, ref, verdict):
-        x, w, dy = f64(inputs["x"]), f64(inputs["w"]), f64(inputs["dy"])
-        g = 1.0 + w if self._zcg(case) else w
-        hidden = x.shape[-1]
+        x, w, dy = inputs["x"], inputs["w"], inputs["dy"]
+        zcg = self._zcg(case)
         if case.op == "rmsnorm.forward":
-            eps = float(torch.tensor(RMSNORM_EPS, dtype=torch.float32))  # used as fp32
-            r = 1.0 / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
-            if case.get("rounding") == "cast_then_scale":
-                y64 = g * (x * r).to(case.dtype).double()
-                key = ("rmsnorm", "y_cast_then_scale")
-            else:
-                y64 = x * r * g
-                key = ("rmsnorm", "y")
-            for expected, oracle, between in ((y64, "float64", False),
-                                              (ref["y"], "the C++ reference", True)):
-                e = f64(expected)
-                row_max = e.abs().amax(-1, keepdim=True) if e.numel() else e
-                verdict.expect("y", got["y"].double(), e, key, oracle, between,
-                               dtype=case.dtype, scale=row_max)
-            verdict.expect("rstd", got["rstd"].double(), r.squeeze(-1), ("rmsnorm", "rstd"),
-                           "float64", dtype=torch.float32)
-            verdict.expect("rstd", got["rstd"], ref["rstd"], ("rmsnorm", "rstd"), between=True)
+            oracle = rmsnorm_forward_oracle(x, w, self._eps(case), zcg,
+                                            case.get("rounding") or "scale_then_cast")
+            expect_rmsnorm_forward(verdict, got["y"], got["rstd"], oracle, case.dtype)
+            expect_rmsnorm_forward(verdict, got["y"], got["rstd"],
+                                   (ref["y"], ref["rstd"], oracle[2]), case.dtype,
+                                   "the C++ reference", between=True)
             return
-        r = f64(inputs["rstd"]).unsqueeze(-1)
-        xhat = x * r
-        gdy = g * dy
-        m = (gdy * xhat).mean(-1, keepdim=True)
-        dx64 = r * (gdy - xhat * m)
-        terms = r * (gdy.abs() + xhat.abs() * (m.abs() + (gdy * xhat).abs().mean(-1, keepdim=True)))
-        for expected, oracle, between in ((dx64, "float64", False),
-                                          (ref["dx"], "the C++ reference", True)):
-            verdict.expect("dx", got["dx"].double(), f64(expected), ("rmsnorm", "dx"), oracle,
-                           between, dtype=case.dtype, scale=terms, terms=hidden)
-        if case.get("trainable"):
-            rows = x.numel() // hidden
-            dw64 = (dy * xhat).reshape(-1, hidden).sum(0)
-            dw_scale = (dy * xhat).abs().reshape(-1, hidden).sum(0)
-            for expected, oracle, between in ((dw64, "float64", False),
-                                              (ref["dweight"], "the C++ reference", True)):
-                verdict.expect("dweight", got["dweight"].double(), f64(expected),
-                               ("rmsnorm", "dweight"), oracle, between,
-                               dtype=inputs["w"].dtype, scale=dw_scale, terms=rows)
-        else:
-            verdict.expect("dweight", got["dweight"], None, ("rmsnorm", "dweight"))
+        bounds = rmsnorm_backward_oracle(dy, x, inputs["rstd"], w, zcg)
+        trainable = bool(case.get("trainable"))
+        expect_rmsnorm_backward(verdict, got["dx"], got["dweight"], bounds, bounds["dx"],
+                                bounds["dweight"] if trainable else None)
+        expect_rmsnorm_backward(verdict, got["dx"], got["dweight"], bounds, ref["dx"],
+                                ref["dweight"], "the C++ reference", between=True)
 
 
 # ---------------------------------------------------------------- moe
@@ -687,21 +885,30 @@ class MoESpec:
         permuted, permuted_probs, idx = leanstep.moe_permute(
             tokens, routing_map, probs if probs is not None else routing_map.float(),
             inputs["num_out_tokens"], inputs["drop_and_pad"], method="sort")
+        permuted_probs = permuted_probs.to(probs.dtype if probs is not None else torch.float32)
+        if case.get("any_indices"):  # N slots of any tokens (a slot form or no probs only)
+            n = case.get("any_indices")
+            idx = torch.randint(-1, t, (n,), generator=gen)
+            permuted_probs = torch.rand(n, generator=gen).to(permuted_probs.dtype)
         n = idx.shape[0]
-        inputs.update(sorted_indices=idx, permuted_probs=permuted_probs.to(
-            probs.dtype if probs is not None else torch.float32),
-            permuted=randn((n, h), case.dtype, gen, 3.0),  # not just the tokens' bits
-            dout=randn((t, h), case.dtype, gen), dprobs=randn(n, case.dtype, gen))
+        inputs.update(sorted_indices=idx.to(case.get("index_dtype") or torch.int64),
+                      permuted_probs=permuted_probs,
+                      permuted=randn((n, h), case.dtype, gen, 3.0),  # not just the tokens' bits
+                      dout=randn((t, h), case.dtype, gen), dprobs=randn(n, case.dtype, gen))
         return inputs
 
     @staticmethod
     def _chunk_inputs(case, gen):
         rows, chunks, tail = case.get("tokens"), case.get("chunks"), case.get("tail")
         covered = max(rows - tail, 0)
-        cuts = sorted(torch.randint(0, covered + 1, (chunks - 1,), generator=gen).tolist())
-        sizes = torch.tensor([b - a for a, b in zip([0] + cuts, cuts + [covered])],
-                             dtype=torch.int64)
-        order = torch.randperm(chunks, generator=gen)
+        index_dtype = case.get("index_dtype") or torch.int64
+        if chunks:  # random cuts: some chunks may be empty
+            cuts = sorted(torch.randint(0, covered + 1, (chunks - 1,), generator=gen).tolist())
+            sizes = [b - a for a, b in zip([0] + cuts, cuts + [covered])]
+        else:
+            sizes = []
+        sizes = torch.tensor(sizes, dtype=index_dtype)
+        order = torch.randperm(chunks, generator=gen).to(index_dtype)
         probs_dtype = case.get("probs")
         return dict(rows=randn((rows, case.get("hidden")), case.dtype, gen),
                     split_sizes=sizes, sorted_idxs=order,
@@ -723,7 +930,7 @@ class MoESpec:
         p = {k: place(v, backend) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         if op == "moe.permute":
             rows = p["num_out_tokens"]
-            if backend == "meta" and rows is None:
+            if is_meta(backend) and rows is None:
                 # Without num_out_tokens the routed count is the row count: the one host
                 # read by design. Meta gets that count as a host int.
                 rows = inputs["routed"]
@@ -751,7 +958,7 @@ class MoESpec:
         else:
             out = dict(zip(("rows", "probs"), leanstep.sort_chunks_by_idxs(
                 p["rows"], p["split_sizes"], p["sorted_idxs"], p["probs"], **kwargs)))
-        return {k: to_host(v) if backend != "meta" else v for k, v in out.items()}
+        return {k: to_host(v) if not is_meta(backend) else v for k, v in out.items()}
 
     def compare(self, case, inputs, got, ref, verdict):
         op = case.op
@@ -798,7 +1005,7 @@ class MoESpec:
             def moved(t):
                 if t is None:
                     return None
-                chunks = list(torch.split(t[:covered], sizes))
+                chunks = list(torch.split(t[:covered], sizes)) if sizes else []
                 return torch.cat([chunks[i] for i in order] + [t[covered:]])
 
             return dict(rows=moved(inputs["rows"]), probs=moved(inputs["probs"]))
@@ -813,7 +1020,7 @@ class MoESpec:
 
     def _expect_sums(self, case, inputs, got, verdict):
         """unpermute / permute_backward against float64 sums of their terms."""
-        idx = inputs["sorted_indices"]
+        idx = inputs["sorted_indices"].long()
         t, h = case.get("tokens"), case.get("hidden")
         terms = f64(inputs["permuted"])
         weights = self._slot_weights(case, inputs)
@@ -901,7 +1108,7 @@ def _params():
     out = []
     for case in CASES:
         for backend in backends_of(case.op):
-            if backend == "meta" and (case.special or case.get("nonfinite")):
+            if is_meta(backend) and (case.special or case.get("nonfinite")):
                 continue  # the values differ, the shapes do not: meta has nothing to check
             if (backend == "triton" and case.get("tokens") == max(MOE_TOKENS)
                     and case.dtype != TRITON_LARGEST_MOE_DTYPE):
@@ -1057,6 +1264,28 @@ def test_max_norm_zero_zeroes_the_grads_on_every_backend(backend, backend_ready)
     assert all(bool((g == 0).all()) for g in grads)
 
 
+@pytest.mark.parametrize("backend", RULE_BACKENDS)
+def test_found_inf_is_ored_into_and_fp16_max_is_finite_on_every_backend(backend, backend_ready):
+    # fp16's largest value squared overflows fp32, not the float64 accumulation:
+    # the norm is finite and nothing is flagged. A found_inf given is the one
+    # written, and OR-ed into: a flag already set stays set.
+    device, forced = _rule_setting(backend)
+    plan = leanstep.GradPlan([torch.full((64,), 65504.0, dtype=torch.float16, device=device)],
+                             backend=forced)
+    flag = torch.zeros(1, device=device)
+    norm, flag_out = plan.norm(2.0, found_inf=flag)
+    assert flag_out is flag
+    if backend == "meta":
+        return
+    assert flag.item() == 0.0
+    why = check(norm.cpu().double(), torch.tensor([65504.0 * 8], dtype=torch.float64),
+                tolerance("grad", "norm"), dtype=torch.float32)
+    assert why is None, why
+    flag.fill_(1.0)
+    plan.norm(2.0, found_inf=flag)
+    assert flag.item() == 1.0
+
+
 def test_the_baseline_preset_turns_every_fast_path_off_on_every_backend(monkeypatch):
     # Triton made "usable" for meta tensors, so the registry's choice itself is
     # tested for every op: under "baseline" no call runs Triton, automatic or
@@ -1125,11 +1354,6 @@ def test_every_tolerance_has_a_bound_and_a_reason():
 # ---------------------------------------------------------------- broken backends are caught
 
 
-def _named_case(op, name):
-    (case,) = [c for c in CASES if c.op == op and c.name == name]
-    return case
-
-
 def _assert_named(excinfo, case, backend, what):
     message = str(excinfo.value)
     assert message.startswith(f"{case.op} on backend '{backend}', case '{case.name}'"), message
@@ -1149,7 +1373,7 @@ def test_a_swapped_row_in_the_torch_permute_is_caught_and_named(monkeypatch):
         order[0], order[other] = other, 0
         return permuted[order], probs, idx
 
-    case = _named_case("moe.permute", "fp32-t17")
+    case = named_case("moe.permute", "fp32-t17")
     conform(case, "torch")
     monkeypatch.setattr(torch_moe, "permute", swapped)
     with pytest.raises(Disagreement) as excinfo:
@@ -1168,7 +1392,7 @@ def test_a_one_ulp_error_in_the_torch_unscale_is_caught_and_named(monkeypatch):
         self.grads[0].view(torch.int16)[5] += 1  # the next bf16 value of one element
         return result
 
-    case = _named_case("grad.unscale", "bf16-n17")
+    case = named_case("grad.unscale", "bf16-n17")
     conform(case, "torch")
     monkeypatch.setattr(torch_grad.TorchGradPlan, "unscale", one_ulp_off)
     with pytest.raises(Disagreement) as excinfo:
@@ -1177,11 +1401,29 @@ def test_a_one_ulp_error_in_the_torch_unscale_is_caught_and_named(monkeypatch):
                                           "differ in bits: first at (5,)")
 
 
+@pytest.mark.parametrize("backend", ["torch-sort", "meta-sort"])
+def test_the_sort_backends_run_the_torch_op_sort_method(monkeypatch, backend):
+    # torch-sort and meta-sort would repeat the fused method's cases if they did
+    # not reach method="sort": a sort method that fails is seen there, not in "torch".
+    from leanstep.backends import torch_moe
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the sort method ran")
+
+    monkeypatch.setattr(torch_moe, "_plain_codes_sort", broken)
+    monkeypatch.setattr(torch_moe, "_drop_and_pad_codes_sort", broken)
+    for name in ("fp32-t17", "fp32-drop-and-pad"):
+        case = named_case("moe.permute", name)
+        conform(case, backend.split("-")[0])
+        with pytest.raises(RuntimeError, match="the sort method ran"):
+            conform(case, backend)
+
+
 def test_an_rmsnorm_forward_that_ignores_eps_is_caught_and_named(monkeypatch):
     from leanstep.backends import torch_rmsnorm
 
     real = torch_rmsnorm.forward
-    case = _named_case("rmsnorm.forward", "fp32-h17")
+    case = named_case("rmsnorm.forward", "fp32-h17")
     conform(case, "torch")
     monkeypatch.setattr(torch_rmsnorm, "forward",
                         lambda x, w, eps, *args, **kwargs: real(x, w, 0.0, *args, **kwargs))
