@@ -5,7 +5,9 @@
 #   0. the host cost of a launch and of a sync (1000 tiny launches, 200 .item() reads), printed
 #      as the host-cost model's flags: python -m leanstep.hostcost --launch-us X --sync-us Y;
 #   1. the Triton tests natively: LEANSTEP_TEST_DEVICE=cuda pytest tests/python/test_triton_*.py
-#      (the Triton side on the GPU, compiled; the C++ path and the float64 oracle on the CPU);
+#      and the conformance harness's Triton cases (tests/python/test_conformance.py -k triton:
+#      the values of every op on its case list) (the Triton side on the GPU, compiled; the C++
+#      path and the float64 oracle on the CPU);
 #   2. bench/gpu_check.py: norm + clip on the Qwen3-Omni LoRA layout (leanstep Triton, the
 #      torch-op backend, torch clip_grad_norm_ foreach, Megatron-Core), frozen RMSNorm
 #      [8192, 2048] bf16 (vs torch.nn.functional.rms_norm), MoE permute / unpermute
@@ -124,7 +126,7 @@ PYEOF
 cost_rc=${PIPESTATUS[0]}
 [ "$cost_rc" -ne 0 ] && echo "gpu-check: the launch and sync cost failed (rc $cost_rc); see $OUT/hostcost.txt"
 
-TESTS=(tests/python/test_triton_*.py)
+TESTS=(tests/python/test_triton_*.py tests/python/test_conformance.py)
 if [ "$SMOKE" -eq 1 ]; then
     echo "== Triton tests in the interpreter (--cpu-smoke; limit ${TESTS_S}s)"
     TEST_ENV=(TRITON_INTERPRET=1)
@@ -139,8 +141,10 @@ fi
 LOGS=$(mktemp -d)
 PIDS=()
 for t in "${TESTS[@]}"; do
+    SELECT=()  # the harness: its Triton cases (its other backends run on the CPU anywhere)
+    [ "$(basename "$t")" = test_conformance.py ] && SELECT=(-k triton)
     timeout "$TESTS_S" env "${TEST_ENV[@]}" "$PY" -m pytest -q -p no:cacheprovider \
-        --durations=5 "$t" > "$LOGS/$(basename "$t" .py).txt" 2>&1 &
+        --durations=5 "$t" ${SELECT[@]+"${SELECT[@]}"} > "$LOGS/$(basename "$t" .py).txt" 2>&1 &
     PIDS+=("$!")
 done
 tests_rc=0
