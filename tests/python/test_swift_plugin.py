@@ -256,7 +256,9 @@ def test_callback_installs_at_train_begin_and_logs(swift_callbacks, external_loa
 
     _call_event(trainer, "on_train_begin")
     assert lm.installed()
-    assert set(lm.report()["installed"]) == {s.name for s in lm.PATCHES} - set(lm.report()["skipped"])
+    assert set(lm.report()["installed"]) == ({s.name for s in lm.PATCHES + ls.SPECS}
+                                             - set(lm.report()["skipped"]))
+    assert {"swift_logical_and", "swift_reduce_max_stat"} <= set(lm.installed())
     import megatron.core.optimizer.optimizer as optimizer
     begin = _leanstep_messages(swift_log)
     assert len(begin) == 1 and "installed at train begin" in begin[0]
@@ -335,3 +337,45 @@ def test_import_is_lazy_and_errors_name_the_missing_package():
         assert "missing package 'transformer_engine'" in msg and "swift.megatron.callbacks" in msg
     else:
         assert out["real"] == ["registered", None]
+
+
+def test_train_step_reductions_stay_on_the_device(swift_callbacks, clean_patches):
+    """ms-swift's train_step reduces the step's flag and norm across the
+    model-parallel group and reads both back; with the plugin they stay on the
+    device, with ms-swift's values."""
+    from megatron.core import parallel_state
+
+    from helpers import one_rank_gloo
+    from leanstep.megatron.step import DeviceBool
+
+    parallel_utils = importlib.import_module(ls.PARALLEL_UTILS)
+    logical_and = parallel_utils.logical_and_across_model_parallel_group
+    reduce_max = parallel_utils.reduce_max_stat_across_model_parallel_group
+    with one_rank_gloo():
+        parallel_state.initialize_model_parallel(1, 1)
+        try:
+            import leanstep.megatron.cpu as mcpu
+
+            with mcpu.megatron_on_cpu():
+                ls.install_train_step_patches()
+                ls.install_train_step_patches()  # idempotent
+                assert parallel_utils.logical_and_across_model_parallel_group is not logical_and
+                norm = torch.tensor(2.5, dtype=torch.float64)
+                with leanstep.audit() as a:
+                    ok = parallel_utils.logical_and_across_model_parallel_group(
+                        DeviceBool(torch.tensor(True)))
+                    bad = parallel_utils.logical_and_across_model_parallel_group(False)
+                    reduced = parallel_utils.reduce_max_stat_across_model_parallel_group(norm)
+                assert a.num_host_reads == 0 and a.num_syncs == 0, a.format_table()
+                assert isinstance(ok, DeviceBool) and bool(ok) is logical_and(True) is True
+                assert bool(bad) is logical_and(False) is False
+                assert reduced.shape == (1,) and reduced.dtype == torch.float32
+                assert reduced.item() == reduce_max(float(norm)) == 2.5
+                # A host number (ms-swift's memory statistic) goes to ms-swift's own code.
+                assert parallel_utils.reduce_max_stat_across_model_parallel_group(1.25) == 1.25
+                calls = lm.report()["calls"]
+                assert calls["swift_reduce_max_stat"]["delegated"] == {"host_value": 1}
+                assert calls["swift_logical_and"]["leanstep"] == 2
+                assert "learning-rate schedule" in ls.HOST_READS["swift_logical_and"]
+        finally:
+            parallel_state.destroy_model_parallel()

@@ -71,19 +71,24 @@ __all__ = ["DeviceBool", "DeviceTrackedDynamicGradScaler", "masked_adam_step",
 
 
 class DeviceBool:
-    """A boolean that stays on the device until asked: ``bool(flag)`` reads it
-    (one host read). ``flag.tensor`` is the 0-d bool tensor."""
+    """A boolean that stays on the device until asked: the first ``bool(flag)``
+    reads it (one host read), later ones reuse that value. ``flag.tensor`` is
+    the 0-d bool tensor."""
 
-    __slots__ = ("tensor",)
+    __slots__ = ("tensor", "_value")
 
     def __init__(self, tensor):
         self.tensor = tensor
+        self._value = None
 
     def __bool__(self):
-        return bool(self.tensor)
+        if self._value is None:
+            self._value = bool(self.tensor)
+        return self._value
 
     def __repr__(self):
-        return f"DeviceBool({self.tensor!r})"
+        state = "unread" if self._value is None else self._value
+        return f"DeviceBool({state}, on {self.tensor.device})"
 
 
 # ---------------------------------------------------------------- the loss scale on the device

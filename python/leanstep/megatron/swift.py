@@ -5,8 +5,16 @@
 
 then ``megatron sft ... --external_plugins examples/swift/leanstep_plugin.py
 --callbacks leanstep``. The callback installs the patches
-(:func:`leanstep.megatron.install`) in ``on_train_begin`` and logs
-:func:`leanstep.megatron.format_report` there and again in ``on_train_end``
+(:func:`leanstep.megatron.install`) in ``on_train_begin``, and ms-swift's own
+(:data:`SPECS`): ``BaseMegatronTrainer.train_step`` reduces the step's success
+flag and grad norm across the model-parallel group with
+``logical_and_across_model_parallel_group`` and
+``reduce_max_stat_across_model_parallel_group``, each a device tensor read back
+with ``.item()``; here they stay on the device (the flag a
+:class:`leanstep.megatron.step.DeviceBool`, the norm a one-element tensor, which
+ms-swift's log reads when it logs). What stays: ``if update_successful:`` before
+the learning-rate schedule's step, one read per step (:data:`HOST_READS`). It
+logs :func:`leanstep.megatron.format_report` there and again in ``on_train_end``
 (with the call counts of the run).
 
 Nothing is patched when this module is imported or when :func:`register`
@@ -22,14 +30,16 @@ is where ``megatron_callbacks_map`` and ``MegatronCallback`` live); this module
 itself imports without it.
 """
 
+import functools
 import importlib.util
 import logging
 import sys
 import threading
 
-from . import convert_norms, format_report, install
+from . import _patching, convert_norms, format_report, install
+from ._patching import EMPTY, Spec, Variant
 
-__all__ = ["NAME", "register", "registered", "callback_class"]
+__all__ = ["NAME", "register", "registered", "callback_class", "SPECS", "HOST_READS"]
 
 #: The name under which the callback is registered (``--callbacks leanstep``).
 NAME = "leanstep"
@@ -78,6 +88,91 @@ def _logger():
     return get_logger()
 
 
+# ---------------------------------------------------------------- train_step's reductions
+
+PARALLEL_UTILS = "swift.megatron.utils.parallel_utils"
+#: Modules that import the two reductions by name (ms-swift 4.x).
+ALIASES = ("swift.megatron.utils", "swift.megatron.trainers.base", "swift.megatron.callbacks.print")
+
+
+def _model_parallel_group():
+    from megatron.core import mpu
+
+    return mpu.get_model_parallel_group()
+
+
+def _make_logical_and(original, spec):
+    import torch
+
+    from .step import DeviceBool
+
+    @functools.wraps(original)
+    def logical_and_across_model_parallel_group(input):
+        # ms-swift: int(bool(input)) into a device tensor, MIN-reduced, read back. Here the
+        # flag stays a device tensor (the step's DeviceBool, or a host bool put there).
+        if not _patching.is_active(spec):
+            _patching.count(spec.name, reason="switched_off")
+            return original(input)
+        if isinstance(input, DeviceBool):
+            flag = input.tensor.reshape(1).to(torch.int32)
+        elif isinstance(input, torch.Tensor) and input.numel() == 1:
+            flag = (input.reshape(1) != 0).to(torch.int32)
+        else:
+            flag = torch.tensor([int(bool(input))], dtype=torch.int32,
+                                device=torch.cuda.current_device())
+        _patching.count(spec.name, flag.device.type, "torch")
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN,
+                                     group=_model_parallel_group())
+        return DeviceBool(flag[0] != 0)
+
+    return logical_and_across_model_parallel_group
+
+
+def _make_reduce_max_stat(original, spec):
+    import torch
+
+    @functools.wraps(original)
+    def reduce_max_stat_across_model_parallel_group(stat):
+        # ms-swift: the stat into an fp32 device tensor, MAX-reduced, read back. A stat
+        # that is already a device tensor (the step's norm) stays one: ms-swift's log
+        # reads one-element tensors when it logs (BaseMegatronTrainer._log_callback).
+        if not _patching.is_active(spec):
+            _patching.count(spec.name, reason="switched_off")
+            return original(stat)
+        if not isinstance(stat, torch.Tensor) or stat.numel() != 1:
+            _patching.count(spec.name, reason="host_value")
+            return original(stat)
+        value = stat.detach().reshape(1).to(torch.float32, copy=True)
+        _patching.count(spec.name, value.device.type, "torch")
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX,
+                                     group=_model_parallel_group())
+        return value
+
+    return reduce_max_stat_across_model_parallel_group
+
+
+SPECS = [
+    Spec("swift_logical_and", "grad.norm", PARALLEL_UTILS, "logical_and_across_model_parallel_group",
+         [Variant("4.x", [("input", EMPTY)], _make_logical_and)], ALIASES,
+         host_read="ms-swift's train_step steps the learning-rate schedule after "
+                   "`if update_successful:`, a host branch: one read of the step's flag per "
+                   "step (the first iteration's check reuses it)"),
+    Spec("swift_reduce_max_stat", "grad.norm", PARALLEL_UTILS,
+         "reduce_max_stat_across_model_parallel_group",
+         [Variant("4.x", [("stat", EMPTY)], _make_reduce_max_stat)], ALIASES),
+]
+
+#: What ms-swift's training loop still reads per step with the plugin, and why.
+HOST_READS = {spec.name: spec.host_read for spec in SPECS if spec.host_read}
+
+
+def install_train_step_patches():
+    """Keeps ms-swift's train_step reductions on the device (:data:`SPECS`);
+    idempotent. Needs ms-swift's Megatron modules imported (the trainer's own
+    import does it)."""
+    _patching.install(SPECS)
+
+
 def _build_class(base):
     class LeanstepCallback(base):
         """Installs leanstep's Megatron-Core patches when training begins
@@ -85,20 +180,26 @@ def _build_class(base):
 
         def on_train_begin(self):
             install()
+            install_train_step_patches()
             # ms-swift builds the model before callbacks exist: its RMSNorms
             # are converted in place (same Parameters), as the patch would have.
             models = getattr(getattr(self, "trainer", None), "unwrapped_models", None) or []
             converted = sum(convert_norms(m) for m in models)
             _logger().info("leanstep: patches installed at train begin (%d RMSNorm modules "
-                           "converted)\n%s", converted, format_report())
+                           "converted)\n%s\n%s", converted, format_report(), _format_swift())
 
         def on_train_end(self):
-            _logger().info("leanstep: report at train end (calls during the run)\n%s",
-                           format_report())
+            _logger().info("leanstep: report at train end (calls during the run)\n%s\n%s",
+                           format_report(), _format_swift())
 
     LeanstepCallback.__module__ = __name__
     LeanstepCallback.__qualname__ = "LeanstepCallback"
     return LeanstepCallback
+
+
+def _format_swift():
+    """The ms-swift patches' lines of the report."""
+    return _patching.format_report(SPECS).split("\n", 1)[1]
 
 
 def callback_class():
