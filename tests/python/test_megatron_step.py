@@ -317,3 +317,26 @@ def test_the_report_names_the_reads_left(installed):
     r = lm.report()
     assert any("token_dispatcher" in site for site in r["inherent_reads"])
     assert "reads of device memory left per iteration" in lm.format_report()
+
+
+def test_the_masked_update_and_the_loss_scale_run_on_meta_tensors():
+    # Meta tensors hold no data: any host read raises. Both run to the end.
+    params = [torch.nn.Parameter(torch.empty(7, device="meta")) for _ in range(3)]
+    opt = torch.optim.AdamW(params, foreach=False, weight_decay=0.1)
+    for p in params:
+        p.grad = torch.empty(7, device="meta")
+    found = torch.empty(1, device="meta")
+    with leanstep.audit() as a:
+        lstep.masked_adam_step(opt, found)
+        lstep.masked_adam_step(opt, found)
+    assert all(opt.state[p]["step"].device.type == "meta" for p in params)
+    assert a.num_host_reads == 0 and a.num_syncs == 0, a.format_table()
+    scaler = DynamicGradScaler.__new__(DynamicGradScaler)  # its __init__ allocates on "cuda"
+    scaler._scale = torch.empty(1, device="meta")
+    scaler.min_scale = scaler.growth_factor = scaler.backoff_factor = torch.empty(1, device="meta")
+    scaler.growth_interval, scaler.hysteresis = 3, 2
+    scaler._growth_tracker, scaler._hysteresis_tracker = 0, 2
+    lstep.track_on_device(scaler)
+    scaler._leanstep_trackers = scaler._leanstep_trackers.to("meta")
+    lstep.update_scaler_on_device(scaler, found)
+    assert scaler.scale.device.type == "meta"
