@@ -931,6 +931,9 @@ class Audit:
 
         return {
             "summary": self.summary(),
+            # whether reads were classified by a DeviceMemory (a CPU run standing in for a
+            # device run), rather than by the tensors' own devices
+            "device_memory": self.device_memory is not None,
             "num_ops": self.num_ops,
             "num_view_ops": self.num_view_ops,
             "num_syncs": self.num_syncs,

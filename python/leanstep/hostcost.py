@@ -296,6 +296,13 @@ def _site_key(record: dict) -> tuple:
 
 
 def _syncs_full(report) -> int:
+    if report.get("device_memory"):
+        # A CPU run whose reads a DeviceMemory classified: the reads of device memory are
+        # the waits a device run makes (the aten-level syncs of a CPU run include reads of
+        # host-resident tensors, no wait there), plus the data-dependent ops.
+        implicit = sum(s["count"] for s in report.get("implicit_syncs", ()))
+        return implicit + sum(r["count"] for r in report.get("host_reads", ())
+                              if r.get("memory") == "device")
     waits, reads = {}, {}
     for s in list(report.get("syncs", ())) + list(report.get("implicit_syncs", ())):
         if s.get("kind") in _BLOCKING_SYNCS + ("data_dependent",):
@@ -558,9 +565,14 @@ def _params_from(opts):
 _MAIN_JOB_NOTES = (
     "a CPU run: leanstep's C++ kernels dispatch no aten ops, so the launches of "
     "leanstep's device backends (docs/accelerators.md) are not in its conditions' counts",
-    "syncs include reads of host-resident tensors (AdamW's per-parameter step counters), "
-    "no wait on a GPU; every condition has them, so they cancel in the saving",
 )
+_TRACKED_NOTE = (
+    "syncs: the reads of device memory by leanstep.audit.DeviceMemory (what a GPU run "
+    "reads; host-resident reads such as AdamW's step counters are not waits there), each "
+    "counted as one wait (the dispatcher's two copies per MoE layer share one on a GPU)")
+_UNTRACKED_NOTE = (
+    "syncs include reads of host-resident tensors (AdamW's per-parameter step counters), "
+    "no wait on a GPU; every condition has them, so they cancel in the saving")
 
 
 def _main_job(opts, low, high, ap) -> int:
@@ -583,7 +595,9 @@ def _main_job(opts, low, high, ap) -> int:
         rows = [(c, f"the main job's condition {c!r} (preset {c})", a)
                 for c, a in conditions.items()]
         notes = list(_MAIN_JOB_NOTES)
-        if version.startswith("0.16"):
+        tracked = all(a.get("device_memory") for a in conditions.values())
+        notes.append(_TRACKED_NOTE if tracked else _UNTRACKED_NOTE)
+        if version.startswith("0.16") and not tracked:
             notes.append("without TE/apex, megatron-core 0.16 passes the per-tensor norms to "
                          "torch.tensor(), which reads each one inside its C++ constructor, out "
                          "of the audit's sight: on a device the baseline has one more sync per "
