@@ -209,20 +209,21 @@ def _optimizer_state(trainer):
                 for key in ("exp_avg", "exp_avg_sq", "step"):
                     if key in st:
                         out.append((key, st[key].detach().to("cpu").clone()))
-        out.append(("scale", opt.grad_scaler.scale.clone()))
-        out.append(("trackers", (opt.grad_scaler._growth_tracker,
-                                 opt.grad_scaler._hysteresis_tracker)))
+        if opt.grad_scaler is not None:
+            out.append(("scale", opt.grad_scaler.scale.clone()))
+            out.append(("trackers", (opt.grad_scaler._growth_tracker,
+                                     opt.grad_scaler._hysteresis_tracker)))
     for p in trainer.model.module.parameters():
         if p.requires_grad:
             out.append(("model param", p.detach().clone()))
     return out
 
 
-def _run_fp16(preset, steps, injected, megatron_step=False):
+def _run(dtype, preset, steps, injected=(), megatron_step=False):
     leanstep.set_preset(preset)
     if megatron_step:
         lm.uninstall(["optimizer_step", "chained_optimizer_step"])
-    trainer = _trainer("fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "3",
+    trainer = _trainer(dtype, "--initial-loss-scale", "1024", "--loss-scale-window", "3",
                        "--hysteresis", "2").build()
     trainer.before_optimizer_step = _inject(injected)
     trajectory = []
@@ -246,9 +247,9 @@ def _equal(a, b):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_fp16_overflow_steps_skip_as_megatron_bit_for_bit(installed):
     steps, injected = 20, {2, 3, 4, 9, 15}
-    ours = _run_fp16("all", steps, injected)
-    theirs = _run_fp16("all", steps, injected, megatron_step=True)
-    alone = _run_fp16("baseline", steps, injected)
+    ours = _run("fp16", "all", steps, injected)
+    theirs = _run("fp16", "all", steps, injected, megatron_step=True)
+    alone = _run("fp16", "baseline", steps, injected)
     skipped = [not s["ok"] for s in ours]
     assert skipped == [not s["ok"] for s in theirs] == [not s["ok"] for s in alone]
     assert all(skipped[i] for i in injected) and sum(skipped) < steps  # steps were taken too
@@ -265,6 +266,19 @@ def test_fp16_overflow_steps_skip_as_megatron_bit_for_bit(installed):
             scales, [(k, v) for k, v in c["state"] if k in ("scale", "trackers")])), i
     # The patches ran, and the step was leanstep's.
     assert lm.report()["calls"]["chained_optimizer_step"]["leanstep"] >= steps
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_bf16_steps_equal_megatron_step_bit_for_bit(installed):
+    # bf16 (fp32 main params, no loss scale): leanstep's step (device norm, no read) against
+    # Megatron's step on the same kernels, 10 steps, every value bit-identical.
+    ours = _run("bf16", "all", 10)
+    theirs = _run("bf16", "all", 10, megatron_step=True)
+    assert all(s["ok"] for s in ours) and all(s["ok"] for s in theirs)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        for (key, x), (_, y) in zip(a["state"], b["state"]):
+            assert _equal(x, y), (i, key)
+        assert a["loss"] == b["loss"], i
 
 
 # ---------------------------------------------------------------- no read of device memory
