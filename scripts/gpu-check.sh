@@ -4,6 +4,8 @@
 #
 #   0. the host cost of a launch and of a sync (1000 tiny launches, 200 .item() reads), printed
 #      as the host-cost model's flags: python -m leanstep.hostcost --launch-us X --sync-us Y;
+#   0b. bench/gpu_step.py: the sync-free optimizer step's masked Adam update on the device
+#      against torch's AdamW (skips exact, at most 1 fp32 ulp, no host sync in a step);
 #   1. the Triton tests natively: LEANSTEP_TEST_DEVICE=cuda pytest tests/python/test_triton_*.py
 #      and the conformance harness's Triton cases (tests/python/test_conformance.py -k triton:
 #      the values of every op on its case list) (the Triton side on the GPU, compiled; the C++
@@ -24,7 +26,7 @@
 #   triton, numpy and pytest; megatron-core is optional (its variants are then skipped).
 #   The compiled extension for that Python must be in python/leanstep/ (an ignored build
 #   output: bring it along, e.g. python/leanstep/_leanstep.cpython-312-x86_64-linux-gnu.so).
-# Writes OUT_DIR/env.txt, hostcost.txt, tests.txt, bench.txt, gpu_check.json. Exit status: 0 when the
+# Writes OUT_DIR/env.txt, hostcost.txt, step.txt, tests.txt, bench.txt, gpu_check.json. Exit status: 0 when the
 # environment, the launch and sync cost, the tests and the benchmark all succeed; else the
 # first failure's.
 set -uo pipefail
@@ -39,6 +41,8 @@ while [ $# -gt 0 ]; do
     esac
 done
 PY=${PYTHON:-python3}
+SMOKE_ARG=()
+[ "$SMOKE" -eq 1 ] && SMOKE_ARG=(--cpu-smoke)
 OUT=${1:-gpu-check-out}
 BUDGET=${GPU_CHECK_BUDGET_S:-470}  # seconds for the whole script (8 minutes with margin)
 TESTS_S=${GPU_CHECK_TESTS_S:-290}  # the tests' share: first launches compile every kernel
@@ -126,6 +130,11 @@ PYEOF
 cost_rc=${PIPESTATUS[0]}
 [ "$cost_rc" -ne 0 ] && echo "gpu-check: the launch and sync cost failed (rc $cost_rc); see $OUT/hostcost.txt"
 
+echo "== the sync-free optimizer step on the device"
+timeout 120 "$PY" bench/gpu_step.py "${SMOKE_ARG[@]+"${SMOKE_ARG[@]}"}" 2>&1 | tee "$OUT/step.txt"
+step_rc=${PIPESTATUS[0]}
+[ "$step_rc" -ne 0 ] && echo "gpu-check: the sync-free step check failed (rc $step_rc); see $OUT/step.txt"
+
 TESTS=(tests/python/test_triton_*.py tests/python/test_conformance.py)
 if [ "$SMOKE" -eq 1 ]; then
     echo "== Triton tests in the interpreter (--cpu-smoke; limit ${TESTS_S}s)"
@@ -173,8 +182,8 @@ else
         2>&1 | tee "$OUT/bench.txt"
     bench_rc=${PIPESTATUS[0]}
 fi
-echo "== summary: launch/sync cost rc $cost_rc, tests rc $tests_rc, benchmark rc $bench_rc, $(elapsed)s in all; files in $OUT"
-for rc in "$cost_rc" "$tests_rc" "$bench_rc"; do
+echo "== summary: launch/sync cost rc $cost_rc, sync-free step rc $step_rc, tests rc $tests_rc, benchmark rc $bench_rc, $(elapsed)s in all; files in $OUT"
+for rc in "$cost_rc" "$step_rc" "$tests_rc" "$bench_rc"; do
     [ "$rc" -ne 0 ] && exit "$rc"
 done
 exit 0

@@ -146,6 +146,34 @@ def test_masked_adam_equals_torch_bitwise_and_skips_exactly(kind, decoupled, wei
                     assert key not in sb or not torch.count_nonzero(sb[key])
 
 
+@pytest.mark.parametrize("kind", ["for-loop", "foreach"])
+def test_masked_adam_with_params_left_without_grads(kind, rng, torch_gen):
+    # A param without a grad is not stepped: its counter falls behind, the group's
+    # counters differ, and each param takes its own bias corrections.
+    rng = random.Random(int(rng.integers(2**31)))
+    shapes, make = _adam_case(rng, torch_gen, kind, True, 0.01)
+    ref_params, ref = make()
+    our_params, ours = make()
+    for step in range(12):
+        grads = [torch.randn(s, generator=torch_gen) for s in shapes]
+        missing = {rng.randrange(len(shapes))} if step % 3 == 1 else set()
+        skip = step in (4, 7)
+        if skip:
+            grads[0].view(-1)[0] = math.nan
+        for params, do in ((ref_params, not skip), (our_params, True)):
+            for i, (p, g) in enumerate(zip(params, grads)):
+                p.grad = None if i in missing else g.clone()
+        if not skip:
+            ref.step()
+        lstep.masked_adam_step(ours, torch.tensor([1.0 if skip else 0.0]))
+        for a, b in zip(ref_params, our_params):
+            assert torch.equal(a.detach(), b.detach()), step
+            if a in ref.state:
+                assert torch.equal(ref.state[a]["exp_avg"], ours.state[b]["exp_avg"]), step
+                assert float(ref.state[a]["step"]) == float(ours.state[b]["step"]), step
+    assert ours._leanstep_uniform_steps == {0: False}
+
+
 def test_masked_adam_reads_nothing():
     params = [torch.nn.Parameter(torch.randn(5)) for _ in range(3)]
     opt = torch.optim.AdamW(params, foreach=False)
@@ -340,10 +368,14 @@ def test_the_masked_update_and_the_loss_scale_run_on_meta_tensors():
     for p in params:
         p.grad = torch.empty(7, device="meta")
     found = torch.empty(1, device="meta")
+    with leanstep.audit() as first:
+        lstep.masked_adam_step(opt, found)
     with leanstep.audit() as a:
         lstep.masked_adam_step(opt, found)
-        lstep.masked_adam_step(opt, found)
     assert all(opt.state[p]["step"].device.type == "meta" for p in params)
+    # The first step reads torch's host counters (host memory) before moving them to the
+    # device; after that nothing is read.
+    assert first.num_device_reads == 0 and first.num_host_reads == len(params)
     assert a.num_host_reads == 0 and a.num_syncs == 0, a.format_table()
     scaler = DynamicGradScaler.__new__(DynamicGradScaler)  # its __init__ allocates on "cuda"
     scaler._scale = torch.empty(1, device="meta")

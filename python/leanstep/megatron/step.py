@@ -235,11 +235,14 @@ def masked_adam_step(inner, found_inf):
 
     ``fused=True``: torch's fused kernel given ``found_inf`` (it skips and takes
     the step counters back). Otherwise torch's for-loop arithmetic, op for op,
-    with the step counter moved to the device (it counts only taken steps) and
-    the bias corrections computed there in float64 from it, as torch computes
-    them in Python floats from the host counter; the new moments and parameter
-    are committed with ``torch.where`` on the flag. Torch's foreach path has the
-    for-loop's arithmetic where its kernels are the per-tensor ones (the CPU)."""
+    with the step counters moved to the device (they count only taken steps)
+    and the bias corrections computed there in float64, as torch computes them
+    in Python floats from its host counters; the new moments and parameters are
+    committed with ``torch.where`` on the flag. Where a group's counters are
+    known to be equal (every parameter has had a grad at every step since they
+    moved to the device, checked on the host), the bias corrections are
+    computed once for the group and the arithmetic runs as foreach ops (on the
+    CPU torch's foreach ops run its per-tensor kernels: the same bits)."""
     groups = inner.param_groups
     if groups and groups[0].get("fused"):
         inner.found_inf = found_inf.reshape(())
@@ -250,48 +253,127 @@ def masked_adam_step(inner, found_inf):
         return
     skip = found_inf.reshape(()) > 0
     keep = torch.where(skip, 0.0, 1.0).to(torch.float32)
-    f64 = torch.float64
-    for group in groups:
+    first = not getattr(inner, "_leanstep_device_steps", False)
+    uniform = inner.__dict__.setdefault("_leanstep_uniform_steps", {})
+    for index, group in enumerate(groups):
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
         inner._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
         if not params:
             continue
-        beta1, beta2 = group["betas"]
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-        decoupled = group.get("decoupled_weight_decay", isinstance(inner, torch.optim.AdamW))
-        device = params[0].device
-        b1 = torch.tensor(beta1, dtype=f64, device=device)
-        b2 = torch.tensor(beta2, dtype=f64, device=device)
-        half = torch.tensor(0.5, dtype=f64, device=device)
-        for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
-            state = inner.state[param]
-            step_t = state["step"]
-            on_device = step_t.to(param.device)  # torch keeps a for-loop counter on the host
-            if on_device is not step_t:
-                step_t = state["step"] = on_device
-                inner._leanstep_device_steps = True
-            step_t.add_(keep.to(step_t.dtype))
-            step = step_t.to(f64)
-            bias_correction1 = 1 - torch.pow(b1, step)
-            bias_correction2 = 1 - torch.pow(b2, step)
-            step_size = lr / bias_correction1
-            bias_correction2_sqrt = torch.pow(bias_correction2, half)
-            new_param = param
-            if weight_decay != 0:
-                if decoupled:
-                    new_param = param.mul(1 - lr * weight_decay)
-                else:
-                    grad = grad.add(param, alpha=weight_decay)
-            new_exp_avg = torch.lerp(exp_avg, grad, 1 - beta1)
-            new_exp_avg_sq = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (new_exp_avg_sq.sqrt() / bias_correction2_sqrt.to(param.dtype)).add_(eps)
-            # param.addcdiv_(exp_avg, denom, value=-step_size): self + value * t1 / t2,
-            # with the step-dependent value from the device.
-            update = (new_exp_avg * (-step_size).to(param.dtype)) / denom
-            new_param = new_param + update
-            torch.where(skip, exp_avg, new_exp_avg, out=exp_avg)
-            torch.where(skip, exp_avg_sq, new_exp_avg_sq, out=exp_avg_sq)
-            torch.where(skip, param, new_param, out=param)
+        if first:
+            # The counters are torch's, on the host: their values are read there (host
+            # memory, no wait for the device), once, before they move to the device.
+            uniform[index] = len({float(t) for t in steps}) == 1
+        # Equal counters stay equal while all of the group's params step together (a
+        # param without a grad is not stepped: its counter falls behind).
+        if len(params) != len(group["params"]):
+            uniform[index] = False
+        steps = _steps_on_device(inner, params)
+        _foreach_scalar("add_", steps, keep.to(steps[0].dtype))
+        if uniform.get(index):
+            _masked_group_foreach(group, params, grads, exp_avgs, exp_avg_sqs, steps[0], skip,
+                                  isinstance(inner, torch.optim.AdamW))
+        else:
+            for param, grad, exp_avg, exp_avg_sq, step_t in zip(params, grads, exp_avgs,
+                                                                exp_avg_sqs, steps):
+                _masked_one(group, param, grad, exp_avg, exp_avg_sq, step_t, skip,
+                            isinstance(inner, torch.optim.AdamW))
+
+
+def _steps_on_device(inner, params):
+    """The params' step counters, moved where the params are (torch keeps a
+    for-loop counter on the host)."""
+    steps = []
+    for param in params:
+        state = inner.state[param]
+        step_t = state["step"]
+        on_device = step_t.to(param.device)
+        if on_device is not step_t:
+            state["step"] = on_device
+        steps.append(on_device)
+    inner._leanstep_device_steps = True
+    return steps
+
+
+def _foreach_scalar(op, tensors, scalar):
+    """``torch._foreach_<op>(tensors, scalar)`` for a 0-d device tensor
+    ``scalar``, without a host read: CUDA's foreach kernels take the tensor;
+    elsewhere (the CPU, meta, other devices) the one-tensor overload reads it
+    with ``.item()``, so each tensor gets it as a list entry (torch's per-tensor
+    kernels, broadcast)."""
+    fn = getattr(torch, "_foreach_" + op)
+    if scalar.device.type == "cuda":
+        return fn(tensors, scalar)
+    return fn(tensors, [scalar] * len(tensors))
+
+
+def _bias_corrections(group, step_t):
+    """(step_size, bias_correction2_sqrt) as 0-d float64 device tensors: torch's
+    Python-float arithmetic from the counter, with the C library's ``pow``
+    (tensor exponents: a scalar 0.5 would become ``sqrt``)."""
+    f64 = torch.float64
+    beta1, beta2 = group["betas"]
+    step = step_t.to(f64)
+    b1 = torch.tensor(beta1, dtype=f64, device=step.device)
+    b2 = torch.tensor(beta2, dtype=f64, device=step.device)
+    half = torch.tensor(0.5, dtype=f64, device=step.device)
+    step_size = group["lr"] / (1 - torch.pow(b1, step))
+    return step_size, torch.pow(1 - torch.pow(b2, step), half)
+
+
+def _masked_one(group, param, grad, exp_avg, exp_avg_sq, step_t, skip, is_adamw):
+    """torch's ``_single_tensor_adam`` (non-capturable) for one param, masked."""
+    beta1, beta2 = group["betas"]
+    lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+    decoupled = group.get("decoupled_weight_decay", is_adamw)
+    step_size, bias_correction2_sqrt = _bias_corrections(group, step_t)
+    new_param = param
+    if weight_decay != 0:
+        if decoupled:
+            new_param = param.mul(1 - lr * weight_decay)
+        else:
+            grad = grad.add(param, alpha=weight_decay)
+    new_exp_avg = torch.lerp(exp_avg, grad, 1 - beta1)
+    new_exp_avg_sq = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (new_exp_avg_sq.sqrt() / bias_correction2_sqrt.to(param.dtype)).add_(eps)
+    # param.addcdiv_(exp_avg, denom, value=-step_size) computes self + value * t1 / t2:
+    # the same roundings, with the step-dependent value from the device.
+    update = (new_exp_avg * (-step_size).to(param.dtype)) / denom
+    new_param = new_param + update
+    torch.where(skip, exp_avg, new_exp_avg, out=exp_avg)
+    torch.where(skip, exp_avg_sq, new_exp_avg_sq, out=exp_avg_sq)
+    torch.where(skip, param, new_param, out=param)
+
+
+def _masked_group_foreach(group, params, grads, exp_avgs, exp_avg_sqs, step_t, skip, is_adamw):
+    """:func:`_masked_one` for a group whose counters are equal: the bias
+    corrections once, the elementwise ops as foreach ops."""
+    beta1, beta2 = group["betas"]
+    lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+    decoupled = group.get("decoupled_weight_decay", is_adamw)
+    step_size, bias_correction2_sqrt = _bias_corrections(group, step_t)
+    dtype = params[0].dtype
+    new_params = params
+    if weight_decay != 0:
+        if decoupled:
+            new_params = torch._foreach_mul(params, 1 - lr * weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    new_exp_avgs = torch._foreach_lerp(exp_avgs, grads, 1 - beta1)
+    new_exp_avg_sqs = torch._foreach_mul(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(new_exp_avg_sqs, grads, grads, value=1 - beta2)
+    denoms = torch._foreach_sqrt(new_exp_avg_sqs)
+    _foreach_scalar("div_", denoms, bias_correction2_sqrt.to(dtype))
+    torch._foreach_add_(denoms, eps)
+    updates = _foreach_scalar("mul", new_exp_avgs, (-step_size).to(dtype))
+    torch._foreach_div_(updates, denoms)
+    new_params = torch._foreach_add(new_params, updates)
+    for old, new in zip(exp_avgs, new_exp_avgs):
+        torch.where(skip, old, new, out=old)
+    for old, new in zip(exp_avg_sqs, new_exp_avg_sqs):
+        torch.where(skip, old, new, out=old)
+    for old, new in zip(params, new_params):
+        torch.where(skip, old, new, out=old)
 
 
 def restore_host_state(optimizers):
@@ -311,6 +393,7 @@ def restore_host_state(optimizers):
                 if isinstance(step_t, torch.Tensor):
                     state["step"] = step_t.to("cpu")
             del inner._leanstep_device_steps
+            inner.__dict__.pop("_leanstep_uniform_steps", None)
 
 
 # ---------------------------------------------------------------- the step

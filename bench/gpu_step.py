@@ -1,0 +1,127 @@
+"""The sync-free optimizer step on a device (scripts/gpu-check.sh, step 1).
+
+leanstep.megatron.step's masked Adam update against torch's own AdamW (the
+for-loop Megatron-Core falls back to without Transformer Engine or apex) on the
+same device: 12 steps, 4 of them skipped with non-finite grads. Prints, per
+step, whether parameters, moments and step counters match torch's (bit for bit,
+or the largest difference in fp32 ulps: the bias corrections are float64 on the
+device here, Python floats on the host there), the host syncs of one masked step
+(leanstep.audit; exact on a device: must be 0), and the host time of both steps.
+With megatron-core installed, the device loss scale is checked against
+DynamicGradScaler's trajectory too.
+
+    python bench/gpu_step.py [--cpu-smoke]
+
+Exit status 0 when the masked step makes no host sync, skips exactly (a skipped
+step changes no bit) and stays within 1 fp32 ulp of torch.
+"""
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+
+import leanstep
+from leanstep.megatron import step as lstep
+
+
+def ulps(a, b):
+    """Largest distance in fp32 ulps between two fp32 tensors (0 when equal)."""
+    ia = a.contiguous().view(torch.int32).to(torch.int64)
+    ib = b.contiguous().view(torch.int32).to(torch.int64)
+    ia = torch.where(ia < 0, -(ia & 0x7FFFFFFF), ia)  # a monotone integer line
+    ib = torch.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
+    return int((ia - ib).abs().max()) if a.numel() else 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu-smoke", action="store_true", help="run on the CPU (script logic only)")
+    args = ap.parse_args()
+    dev = torch.device("cpu" if args.cpu_smoke else "cuda")
+    sync = (lambda: None) if args.cpu_smoke else torch.cuda.synchronize
+    gen = torch.Generator().manual_seed(1234)
+    shapes = [(8, 256), (256, 8), (384, 8), (512, 8)] * 36  # 144 LoRA-like tensors
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    ref_params = [torch.nn.Parameter(t.to(dev)) for t in init]
+    our_params = [torch.nn.Parameter(t.to(dev)) for t in init]
+    ref = torch.optim.AdamW(ref_params, lr=1e-3, weight_decay=0.01, foreach=False)
+    ours = torch.optim.AdamW(our_params, lr=1e-3, weight_decay=0.01, foreach=False)
+    skipped = {3, 4, 8, 9}
+    worst, exact_skips, ok = 0, True, True
+    times = {"torch": [], "masked": []}
+    for step in range(12):
+        grads = [torch.randn(s, generator=gen).to(dev) * 1e-2 for s in shapes]
+        skip = step in skipped
+        before = [p.detach().clone() for p in our_params]
+        if skip:
+            grads[0].view(-1)[0] = math.inf
+        else:
+            for p, g in zip(ref_params, grads):
+                p.grad = g.clone()
+            sync()
+            t = time.perf_counter()
+            ref.step()
+            sync()
+            times["torch"].append(time.perf_counter() - t)
+        for p, g in zip(our_params, grads):
+            p.grad = g.clone()
+        found = torch.tensor([1.0 if skip else 0.0], device=dev)
+        sync()
+        t = time.perf_counter()
+        if step == 5:
+            with leanstep.audit() as a:
+                lstep.masked_adam_step(ours, found)
+            syncs = a.num_syncs
+        else:
+            lstep.masked_adam_step(ours, found)
+        sync()
+        times["masked"].append(time.perf_counter() - t)
+        if skip:
+            exact_skips &= all(torch.equal(p.detach(), b) for p, b in zip(our_params, before))
+        diff = 0
+        for a_, b_ in zip(ref_params, our_params):
+            sa, sb = ref.state.get(a_, {}), ours.state[b_]
+            diff = max(diff, ulps(a_.detach(), b_.detach()))
+            if sa:
+                diff = max(diff, ulps(sa["exp_avg"], sb["exp_avg"]),
+                           ulps(sa["exp_avg_sq"], sb["exp_avg_sq"]))
+                ok &= float(sa["step"]) == float(sb["step"])
+        worst = max(worst, diff)
+        print(f"step {step:2d} {'skipped' if skip else 'taken  '}  max diff vs torch: "
+              f"{diff} fp32 ulps")
+    median = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
+    print(f"host syncs of one masked step: {syncs} (leanstep.audit on {dev.type})")
+    print(f"step time, median: torch AdamW for-loop {median['torch']:.3f} ms, "
+          f"masked {median['masked']:.3f} ms ({len(shapes)} tensors)")
+    try:
+        from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+    except ImportError as e:
+        print(f"loss scale: megatron-core not importable ({e}); skipped")
+    else:
+        if args.cpu_smoke:
+            from leanstep.megatron import cpu as mcpu
+            ctx = mcpu.megatron_on_cpu()
+        else:
+            import contextlib
+            ctx = contextlib.nullcontext()
+        with ctx:
+            theirs = DynamicGradScaler(2.0 ** 12, 2.0 ** 9, 2.0, 0.5, 3, 2)
+            mine = DynamicGradScaler(2.0 ** 12, 2.0 ** 9, 2.0, 0.5, 3, 2)
+            same = True
+            for f in (0, 1, 1, 0, 0, 0, 1, 0, 1, 1, 1, 0, 0, 0, 0):
+                theirs.update(bool(f))
+                lstep.update_scaler_on_device(mine, torch.tensor([float(f)], device=mine.scale.device))
+                same &= torch.equal(mine.scale, theirs.scale)
+            print(f"loss scale on the device follows DynamicGradScaler: {same}")
+            ok &= same
+    passed = ok and syncs == 0 and exact_skips and worst <= 1
+    print(f"sync-free step: {'PASS' if passed else 'FAIL'} (syncs {syncs}, skips exact "
+          f"{exact_skips}, worst {worst} ulps)")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
