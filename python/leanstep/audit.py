@@ -389,6 +389,28 @@ def _run_lengths(values) -> tuple:
     return tuple((v, n) for v, n in runs)
 
 
+def _enter_modes(mode_classes, owner):
+    """Enters a (TorchFunctionMode, TorchDispatchMode) pair made for `owner`;
+    returns it. Neither stays entered if the second cannot be."""
+    fmode_cls, dmode_cls = mode_classes
+    fmode, dmode = fmode_cls(owner), dmode_cls(owner)
+    fmode.__enter__()
+    try:
+        dmode.__enter__()
+    except BaseException:
+        fmode.__exit__(None, None, None)
+        raise
+    return fmode, dmode
+
+
+def _leave_modes(modes):
+    """Stops the pair (nothing counts after its block, whatever the stacks
+    hold) and takes it off torch's stacks; returns the problems found."""
+    fmode, dmode = modes
+    fmode.active = dmode.active = False
+    return _remove_modes(fmode, dmode)
+
+
 def _remove_modes(fmode, dmode):
     """Takes the audit's two modes off torch's mode stacks, wherever they are
     on them, and leaves every other mode as it was. A mode the audited code
@@ -673,15 +695,7 @@ class DeviceMemory:
     def __enter__(self) -> "DeviceMemory":
         if self._active is not None:
             raise RuntimeError("this DeviceMemory is already active")
-        fmode_cls, dmode_cls = _load_memory_modes()
-        fmode, dmode = fmode_cls(self), dmode_cls(self)
-        fmode.__enter__()
-        try:
-            dmode.__enter__()
-        except BaseException:
-            fmode.__exit__(None, None, None)
-            raise
-        self._active = (fmode, dmode)
+        self._active = _enter_modes(_load_memory_modes(), self)
         _arrays.output_hooks.append(self._adopt)
         return self
 
@@ -691,12 +705,10 @@ class DeviceMemory:
             self.place(out)
 
     def __exit__(self, exc_type, exc, tb):
-        fmode, dmode = self._active
-        self._active = None
-        fmode.active = dmode.active = False
+        active, self._active = self._active, None
         if self._adopt in _arrays.output_hooks:
             _arrays.output_hooks.remove(self._adopt)
-        problems = _remove_modes(fmode, dmode)
+        problems = _leave_modes(active)
         if problems:
             raise Error(f"leanstep.audit.DeviceMemory: {' and '.join(problems)} no longer on "
                         f"torch's mode stack when the context ended (modes must be exited in "
@@ -858,22 +870,12 @@ class Audit:
     def __enter__(self) -> "Audit":
         if self._active is not None:
             raise RuntimeError("this Audit is already active; nest a new leanstep.audit() instead")
-        fmode_cls, dmode_cls = _load_torch()
-        fmode, dmode = fmode_cls(self), dmode_cls(self)
-        fmode.__enter__()
-        try:
-            dmode.__enter__()
-        except BaseException:
-            fmode.__exit__(None, None, None)
-            raise
-        self._active = (fmode, dmode)
+        self._active = _enter_modes(_load_torch(), self)
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        fmode, dmode = self._active
-        self._active = None
-        fmode.active = dmode.active = False  # nothing counts after the block, whatever the stacks hold
-        problems = _remove_modes(fmode, dmode)
+        active, self._active = self._active, None
+        problems = _leave_modes(active)
         if problems:
             raise Error(
                 f"leanstep.audit: {' and '.join(problems)} {'was' if len(problems) == 1 else 'were'} "
