@@ -259,7 +259,7 @@ def test_clip_matches_megatron_bitwise(max_norm, patched, megatron_on_cpu, torch
 def test_clip_with_a_tensor_norm_uses_the_device_coefficient(patched, torch_gen):
     _, grads = make_buffer_grads(torch_gen)
     before = [g.clone() for g in grads]
-    total = torch.tensor(optimizer.get_grad_norm_fp32(grads), dtype=torch.float32)
+    total = optimizer.get_grad_norm_fp32(grads).to(torch.float32)  # an fp32 tensor norm (0.19 + TE)
     optimizer.clip_grad_by_total_norm_fp32([Param(g) for g in grads], 0.25, total)
     coeff = torch.tensor(0.25, dtype=torch.float32) / (total + torch.tensor(1e-6, dtype=torch.float32))
     for g, b in zip(grads, before):

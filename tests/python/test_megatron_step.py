@@ -40,8 +40,14 @@ SMALL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "
 
 @pytest.fixture(scope="module", autouse=True)
 def gloo_and_cpu():
+    from megatron.core import parallel_state
+
     with one_rank_gloo(), mcpu.megatron_on_cpu():
-        yield
+        try:
+            yield
+        finally:  # the trainers initialise Megatron's groups: none is left to the next module
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
 
 
 @pytest.fixture

@@ -352,6 +352,8 @@ def test_train_step_reductions_stay_on_the_device(swift_callbacks, clean_patches
     logical_and = parallel_utils.logical_and_across_model_parallel_group
     reduce_max = parallel_utils.reduce_max_stat_across_model_parallel_group
     with one_rank_gloo():
+        if parallel_state.model_parallel_is_initialized():  # left by another module
+            parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(1, 1)
         try:
             import leanstep.megatron.cpu as mcpu
