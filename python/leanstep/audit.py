@@ -849,19 +849,19 @@ class Audit:
         self.list_calls[ListCall(op, sum(1 for x in lists if x), numels)] += 1
 
     def _is_device_memory(self, t) -> bool:
+        """Whether a read of `t` reads device memory: by the DeviceMemory when
+        there is one, else by its device (any but the CPU, meta included)."""
         if not isinstance(t, _torch.Tensor):
             return False
         if self.device_memory is not None:
             return self.device_memory.holds(t)
-        return t.device.type != "cpu"
+        with _torch._C.DisableTorchFunction():
+            return t.device.type != "cpu"
 
     def _record_read(self, kind, t, error):
+        memory = "device" if self._is_device_memory(t) else "host-resident"
         with _torch._C.DisableTorchFunction():
             dev = t.device
-            if self.device_memory is not None:
-                memory = "device" if self.device_memory.holds(t) else "host-resident"
-            else:
-                memory = "host-resident" if dev.type == "cpu" else "device"
             rec = HostRead(kind, memory, str(dev), str(t.dtype).replace("torch.", ""),
                            tuple(t.shape), self._site(), error)
         self.host_reads[rec] += 1

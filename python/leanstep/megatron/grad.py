@@ -309,24 +309,34 @@ def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
 # ---------------------------------------------------------------- unscale + found_inf
 
 
-def unscale_and_check_on_device(optimizer, spec_name=UNSCALE):
+def _unscale_plan(optimizer):
+    """(main grads, inv_scale, plan, reason) of one unscale: the plan leanstep
+    runs it with, or None and the reason it cannot take these grads."""
+    stub = getattr(optimizer, "is_stub_optimizer", False)
+    main_grads = [] if stub else optimizer._collect_main_grad_data_for_unscaling()
+    inv_scale = optimizer.grad_scaler.inv_scale
+    plan, reason = plans.get(main_grads, in_place=True)
+    if reason is None and main_grads and (
+            not isinstance(inv_scale, torch.Tensor) or inv_scale.device != main_grads[0].device
+            or inv_scale.dtype != torch.float32 or inv_scale.numel() != 1):
+        plan, reason = None, "inv_scale"
+    return main_grads, inv_scale, plan, reason
+
+
+def unscale_and_check_on_device(optimizer, spec_name=UNSCALE, prepared=None):
     """The mixed-precision optimizer's unscale and non-finite check, leaving
     the result in ``optimizer.found_inf`` (all-reduced, on the device) without
     reading it: leanstep's one pass when it can take the grads and the preset
     enables ``grad.unscale``, else the installed version's own ops
     (``torch._amp_foreach_non_finite_check_and_unscale_``, as Megatron calls
-    them). Counts the call under ``spec_name``. Returns ``optimizer.found_inf``."""
-    stub = getattr(optimizer, "is_stub_optimizer", False)
-    main_grads = [] if stub else optimizer._collect_main_grad_data_for_unscaling()
-    inv_scale = optimizer.grad_scaler.inv_scale
-    reason = None if _dispatch.op_enabled("grad.unscale") else "switched_off"
-    plan = None
-    if reason is None:
-        plan, reason = plans.get(main_grads, in_place=True)
-    if reason is None and main_grads and (
-            not isinstance(inv_scale, torch.Tensor) or inv_scale.device != main_grads[0].device
-            or inv_scale.dtype != torch.float32 or inv_scale.numel() != 1):
-        reason = "inv_scale"
+    them). Counts the call under ``spec_name``. ``prepared``: what
+    :func:`_unscale_plan` found, if the caller has it. Returns ``optimizer.found_inf``."""
+    if _dispatch.op_enabled("grad.unscale"):
+        main_grads, inv_scale, plan, reason = prepared or _unscale_plan(optimizer)
+    else:
+        stub = getattr(optimizer, "is_stub_optimizer", False)
+        main_grads = [] if stub else optimizer._collect_main_grad_data_for_unscaling()
+        inv_scale, plan, reason = optimizer.grad_scaler.inv_scale, None, "switched_off"
     optimizer.found_inf.fill_(0.0)
     if reason is not None:
         _patching.count(spec_name, reason=reason)
@@ -350,18 +360,11 @@ def _make_unscale_and_check(original, spec):
         if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return original(self)
-        stub = getattr(self, "is_stub_optimizer", False)
-        main_grads = [] if stub else self._collect_main_grad_data_for_unscaling()
-        plan, reason = plans.get(main_grads, in_place=True)
-        inv_scale = self.grad_scaler.inv_scale
-        if reason is None and main_grads and (
-                not isinstance(inv_scale, torch.Tensor) or inv_scale.device != main_grads[0].device
-                or inv_scale.dtype != torch.float32 or inv_scale.numel() != 1):
-            reason = "inv_scale"
-        if reason is not None:
-            _patching.count(spec.name, reason=reason)
+        prepared = _unscale_plan(self)
+        if prepared[3] is not None:
+            _patching.count(spec.name, reason=prepared[3])
             return original(self)
-        found_inf = unscale_and_check_on_device(self, spec.name)
+        found_inf = unscale_and_check_on_device(self, spec.name, prepared)
         # The installed API: the optimizer's step branches on a Python bool. The
         # sync-free step (leanstep.megatron.step) calls unscale_and_check_on_device.
         return found_inf.item() > 0
