@@ -59,10 +59,9 @@ import torch
 from .. import _dispatch
 from . import _patching
 from ._patching import EMPTY, Spec, Variant
-from .grad import host_float_pow, unscale_and_check_on_device
+from .grad import unscale_and_check_on_device
 
 OPTIMIZER = "megatron.core.optimizer.optimizer"
-GRAD_SCALER = "megatron.core.optimizer.grad_scaler"
 STEP = "optimizer_step"
 CHAINED_STEP = "chained_optimizer_step"
 
@@ -274,10 +273,11 @@ def masked_adam_step(inner, found_inf):
             _masked_group_foreach(group, params, grads, exp_avgs, exp_avg_sqs, steps[0], skip,
                                   isinstance(inner, torch.optim.AdamW))
         else:
-            for param, grad, exp_avg, exp_avg_sq, step_t in zip(params, grads, exp_avgs,
-                                                                exp_avg_sqs, steps):
-                _masked_one(group, param, grad, exp_avg, exp_avg_sq, step_t, skip,
-                            isinstance(inner, torch.optim.AdamW))
+            # Each param with its own counter: the same ops over one-element lists (on the
+            # CPU torch's foreach ops run the per-tensor kernels of its for-loop).
+            for one in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+                _masked_group_foreach(group, *([t] for t in one[:4]), one[4], skip,
+                                      isinstance(inner, torch.optim.AdamW))
 
 
 def _steps_on_device(inner, params):
@@ -321,33 +321,12 @@ def _bias_corrections(group, step_t):
     return step_size, torch.pow(1 - torch.pow(b2, step), half)
 
 
-def _masked_one(group, param, grad, exp_avg, exp_avg_sq, step_t, skip, is_adamw):
-    """torch's ``_single_tensor_adam`` (non-capturable) for one param, masked."""
-    beta1, beta2 = group["betas"]
-    lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-    decoupled = group.get("decoupled_weight_decay", is_adamw)
-    step_size, bias_correction2_sqrt = _bias_corrections(group, step_t)
-    new_param = param
-    if weight_decay != 0:
-        if decoupled:
-            new_param = param.mul(1 - lr * weight_decay)
-        else:
-            grad = grad.add(param, alpha=weight_decay)
-    new_exp_avg = torch.lerp(exp_avg, grad, 1 - beta1)
-    new_exp_avg_sq = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (new_exp_avg_sq.sqrt() / bias_correction2_sqrt.to(param.dtype)).add_(eps)
-    # param.addcdiv_(exp_avg, denom, value=-step_size) computes self + value * t1 / t2:
-    # the same roundings, with the step-dependent value from the device.
-    update = (new_exp_avg * (-step_size).to(param.dtype)) / denom
-    new_param = new_param + update
-    torch.where(skip, exp_avg, new_exp_avg, out=exp_avg)
-    torch.where(skip, exp_avg_sq, new_exp_avg_sq, out=exp_avg_sq)
-    torch.where(skip, param, new_param, out=param)
-
-
 def _masked_group_foreach(group, params, grads, exp_avgs, exp_avg_sqs, step_t, skip, is_adamw):
-    """:func:`_masked_one` for a group whose counters are equal: the bias
-    corrections once, the elementwise ops as foreach ops."""
+    """torch's ``_single_tensor_adam`` (non-capturable), masked by ``skip``,
+    for params whose step counters all equal ``step_t``: the bias corrections
+    once, the elementwise ops as foreach ops. ``param.addcdiv_(exp_avg, denom,
+    value=-step_size)`` computes ``self + value * t1 / t2``: the same roundings
+    here, with the step-dependent value from the device."""
     beta1, beta2 = group["betas"]
     lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
     decoupled = group.get("decoupled_weight_decay", is_adamw)
