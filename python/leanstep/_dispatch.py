@@ -47,9 +47,11 @@ def set_preset(preset):
         raise Error(f"leanstep.set_preset: argument 'preset' must be 'all', 'baseline' or a "
                     f"comma-separated list of op names / groups (got {preset!r})")
     preset = ",".join(p.strip() for p in preset.split(",") if p.strip())
-    if "dispatch_set_preset" in dir(_leanstep):
-        _leanstep.dispatch_set_preset(preset)  # validates the names, or raises
+    # One lock around both halves: two concurrent calls must leave the C++ and
+    # the Python preset the same (the last call wins in both).
     with _lock:
+        if "dispatch_set_preset" in dir(_leanstep):
+            _leanstep.dispatch_set_preset(preset)  # validates the names, or raises
         _state["preset"] = preset
         _state["items"] = _parse(preset)
 

@@ -7,6 +7,7 @@ the address-adjacent regions so one pass covers many tensors. Results are
 the framework of the grads; nothing is read back to the host.
 """
 
+import copy
 import math
 import numbers
 
@@ -104,6 +105,34 @@ class GradPlan:
     @property
     def grads(self):
         return list(self._grads)
+
+    def _unbound(self):
+        """This plan without its grads (no memory kept alive): what a cache
+        keeps between calls. The native plan holds raw pointers only; the
+        device plans give up their region views (see TorchGradPlan.unbound)."""
+        template = copy.copy(self)
+        template._grads, template._buffers, template._like = None, [], None
+        template._fingerprint = None
+        if self.backend in ("torch", "triton"):
+            template._torch_plan = self._torch_plan.unbound()
+        return template
+
+    def _bound(self, grads, like):
+        """A template (:meth:`_unbound`) over ``grads``, whose addresses, dtypes,
+        shapes and strides the caller has checked equal the list it was built
+        from: the grads' memory is then alive (the caller holds it) and is the
+        memory the native plan's pointers name. For one call: the result holds
+        the grads and does not re-check them (nothing runs in between). None
+        when a device plan's region lies in another storage now."""
+        bound = copy.copy(self)
+        bound._grads = grads
+        bound._like = grads[0] if grads else like
+        if self.backend in ("torch", "triton"):
+            plan = self._torch_plan.bind(grads)
+            if plan is None:
+                return None
+            bound._torch_plan = plan
+        return bound
 
     def is_current(self):
         """Whether every grad still has the memory and size it had when the

@@ -18,6 +18,7 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 mcore = pytest.importorskip("megatron.core")
 
 import leanstep.megatron as lm  # noqa: E402
+import leanstep.megatron.grad as lm_grad  # noqa: E402
 import megatron.core.optimizer.clip_grads as clip_grads  # noqa: E402
 import megatron.core.optimizer.layer_wise_optimizer as layer_wise_optimizer  # noqa: E402
 import megatron.core.optimizer.optimizer as optimizer  # noqa: E402
@@ -585,7 +586,12 @@ def test_patched_norm_and_clip_on_the_lora_layout_are_sync_free(patched, no_coll
         norm = optimizer.get_grad_norm_fp32(grads)
         clip_grads.clip_grad_by_total_norm_fp32(params, 1.0, norm)
     assert a.num_syncs == 0 and a.num_host_reads == 0, a.format_table()
-    assert a.num_ops <= 16, f"{a.num_ops} aten ops:\n{a.format_table()}"
+    # The ops that launch stay within the budget; the cache keeps no grad memory between
+    # calls, so each call rebuilds its region views from the caller's grads: one
+    # as_strided per region (metadata, no launch).
+    regions = lm_grad.plans.get(grads)[0].num_regions
+    assert a.num_ops - a.num_view_ops <= 16, f"{a.num_ops} aten ops:\n{a.format_table()}"
+    assert a.view_ops["aten.as_strided.default"] == 2 * regions, a.format_table()
 
 
 def test_a_float_returning_version_reads_nothing(patched, no_collectives):

@@ -22,6 +22,8 @@ and scaled k times by in-place ops, as the CPU path does. No operation reads
 a device value on the host.
 """
 
+import copy
+
 import torch
 
 from .._leanstep import Error, GradPlanCore
@@ -55,7 +57,7 @@ class TorchGradPlan:
     def __init__(self, grads, device, where="GradPlan"):
         self.device = device
         self.grads = grads
-        storages = {}  # storage identity -> (index, base grad per dtype)
+        storages = {}  # storage identity -> (index, {dtype: list index of a grad there}, storage)
         layout = []
         for i, g in enumerate(grads):
             if g.dtype not in PLAN_DTYPES:
@@ -68,26 +70,30 @@ class TorchGradPlan:
                 if storage.nbytes() > _OFFSET_MASK:
                     raise Error(f"{where}: argument 'grads[{i}]' lies in a storage of "
                                 f"{storage.nbytes()} bytes, above the planner's 2^44-byte limit")
-                entry = storages[key] = (len(storages), {})
-            entry[1].setdefault(g.dtype, g)
+                entry = storages[key] = (len(storages), {}, storage)
+            entry[1].setdefault(g.dtype, i)
             address = ((entry[0] + 1) << _STORAGE_SPACING_BITS) + g.storage_offset() * g.element_size()
             layout.append((address, dtype_name(g.dtype), list(g.shape), list(g.stride())))
         self.core = GradPlanCore.from_layout(layout)
-        by_index = {index: bases for index, bases in storages.values()}
-
-        groups = {}
+        # How to realise the plan over a list of tensors: per storage, the list index of
+        # one grad of each dtype in it (the base of its region views) and the storage's
+        # address and size; per group, each view as a region of a base or a listed grad.
+        # A plan bound to another list (bind) rebuilds its views from these alone.
+        self._storages = {index: (bases, storage.data_ptr(), storage.nbytes())
+                          for index, bases, storage in storages.values()}
+        recipes = {}
         for address, region_dtype, numel, multiplicity in self.core.regions:
             storage_index = (address >> _STORAGE_SPACING_BITS) - 1
             dtype = getattr(torch, region_dtype)
-            base = by_index[storage_index][dtype]
-            offset_bytes = address & _OFFSET_MASK
-            view = base.as_strided((numel,), (1,), offset_bytes // base.element_size())
-            groups.setdefault(multiplicity, ViewGroup(multiplicity)).views.append(view)
-        self.generic = [grads[index] for index, _ in self.core.generic]
-        if self.generic:
-            groups.setdefault(1, ViewGroup(1)).views.extend(self.generic)
-        self.groups = [groups[m] for m in sorted(groups)]
-        self.views = [v for grp in self.groups for v in grp.views]
+            offset = (address & _OFFSET_MASK) // grads[self._storages[storage_index][0][dtype]] \
+                .element_size()
+            recipes.setdefault(multiplicity, []).append(("region", storage_index, dtype, offset,
+                                                         numel))
+        self._generic_indices = [index for index, _ in self.core.generic]
+        if self._generic_indices:
+            recipes.setdefault(1, []).extend(("grad", index) for index in self._generic_indices)
+        self._recipes = [(m, recipes[m]) for m in sorted(recipes)]
+        self._realise(grads)
         # Per-view weight (multiplicity) for the norm's reduction, built once.
         self.weighted = any(grp.multiplicity != 1 for grp in self.groups)
         acc = torch.float64 if _has_float64(device) else torch.float32
@@ -98,6 +104,59 @@ class TorchGradPlan:
                                          for _ in grp.views], dtype=acc, device=device)
         self.has_float64_grads = any(v.dtype == torch.float64 for v in self.views)
         self.numel = sum(v.numel() * grp.multiplicity for grp in self.groups for v in grp.views)
+
+    def _bases(self, grads):
+        """{(storage index, dtype): base grad} of ``grads``, or None where a base's
+        storage is not the one the plan was built over (its address or size)."""
+        bases = {}
+        for storage_index, (by_dtype, address, nbytes) in self._storages.items():
+            for dtype, index in by_dtype.items():
+                base = grads[index]
+                storage = base.untyped_storage()
+                if storage.data_ptr() != address or storage.nbytes() < nbytes:
+                    return None
+                bases[storage_index, dtype] = base
+        return bases
+
+    def _realise(self, grads, bases=None):
+        """The flat views of the plan's regions over ``grads``."""
+        if bases is None:
+            bases = self._bases(grads)
+        groups = []
+        for multiplicity, recipes in self._recipes:
+            group = ViewGroup(multiplicity)
+            for recipe in recipes:
+                if recipe[0] == "grad":
+                    group.views.append(grads[recipe[1]])
+                else:
+                    _, storage_index, dtype, offset, numel = recipe
+                    group.views.append(bases[storage_index, dtype].as_strided((numel,), (1,),
+                                                                              offset))
+            groups.append(group)
+        self.grads = grads
+        self.generic = [grads[index] for index in self._generic_indices]
+        self.groups = groups
+        self.views = [v for grp in groups for v in grp.views]
+
+    def unbound(self):
+        """This plan without its tensors (no memory kept alive): what a cache
+        keeps. :meth:`bind` gives a usable plan again."""
+        template = copy.copy(self)
+        template.grads = template.generic = template.groups = template.views = None
+        return template
+
+    def bind(self, grads):
+        """This plan over ``grads``, a list whose every tensor has the address,
+        dtype, shape and strides of the list the plan was built from (the
+        caller checks that): the region views are rebuilt from its tensors, so
+        they cover its memory and keep it alive. None when a region's base
+        lies in another storage (the plan does not describe that memory)."""
+        bases = self._bases(grads)
+        if bases is None:
+            return None
+        bound = copy.copy(self)
+        bound._realise(grads, bases)
+        return bound
 
     # ---------------------------------------------------------------- helpers
 

@@ -385,6 +385,23 @@ class TritonGradPlan:
         self.acc64 = tc.device_has_float64(device)
         self.acc_dtype = torch.float64 if self.acc64 else torch.float32
 
+        self._split(tp)
+        fast = self.views
+
+        rows = _rows(fast, self.chunk)
+        self.num_chunks = len(rows)
+        self.aligned = all(r[0] % 16 == 0 for r in rows)
+        table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+        self.table = table.to(device) if device.type != "cpu" else table
+        slots = max(self.num_chunks, 1)
+        self.partials = torch.empty(slots, dtype=self.acc_dtype, device=device)
+        self.flags = torch.empty(slots, dtype=torch.int32, device=device)
+        self.zero_partials = torch.empty(slots, dtype=torch.int64, device=device)
+        self.numel = sum(v.numel() for v in fast)
+
+    def _split(self, tp):
+        """The views the kernels take (regions listed once) and the torch-op
+        fallback plan over the rest (generic views, repeated regions)."""
         generic_ids = {id(g) for g in tp.generic}
         fast, slow_groups = [], []
         for grp in tp.groups:
@@ -397,20 +414,28 @@ class TritonGradPlan:
                 g = ViewGroup(grp.multiplicity)
                 g.views = slow
                 slow_groups.append(g)
+        self.torch_plan = tp
         self.views = fast
         self.fallback = _subplan(tp, slow_groups) if slow_groups else None
         self.num_fallback = sum(len(g.views) for g in slow_groups)
 
-        rows = _rows(fast, self.chunk)
-        self.num_chunks = len(rows)
-        self.aligned = all(r[0] % 16 == 0 for r in rows)
-        table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
-        self.table = table.to(device) if device.type != "cpu" else table
-        slots = max(self.num_chunks, 1)
-        self.partials = torch.empty(slots, dtype=self.acc_dtype, device=device)
-        self.flags = torch.empty(slots, dtype=torch.int32, device=device)
-        self.zero_partials = torch.empty(slots, dtype=torch.int64, device=device)
-        self.numel = sum(v.numel() for v in fast)
+    def unbound(self):
+        """This plan without its tensors (see TorchGradPlan.unbound): the
+        region table holds addresses only."""
+        template = copy.copy(self)
+        template.torch_plan = self.torch_plan.unbound()
+        template.views = template.fallback = None
+        return template
+
+    def bind(self, grads):
+        """This plan over ``grads``, of the addresses, dtypes, shapes and strides
+        it was built from (see TorchGradPlan.bind); None where it cannot be."""
+        tp = self.torch_plan.bind(grads)
+        if tp is None:
+            return None
+        bound = copy.copy(self)
+        bound._split(tp)
+        return bound
 
     # ---------------------------------------------------------------- helpers
 

@@ -82,6 +82,8 @@ def uninstall(patches=None):
     ddp_names = {spec.name for spec in _ddp_patches.SPECS}
     queued = _ddp_patches.take_pending() if names is None or ddp_names & set(names) else []
     _patching.uninstall(PATCHES, patches)
+    if names is None or {spec.name for spec in _step_patches.SPECS} & set(names):
+        _step_patches.untrack_all()  # the scalers get Megatron's class back
     if not _patching.installed():
         _grad_patches.plans.clear()
     _ddp_patches.check_pending(queued)
@@ -104,9 +106,14 @@ INHERENT_READS = {
         "model chunk and step (ddp_finish_grad_sync), where Megatron reads two per bucket; "
         "Megatron raises a Python error",
     "the training loop":
-        "not an iteration's: the step returns update_successful, the grad norm and the zero "
-        "count on the device; whoever logs them or steps a learning-rate schedule on "
-        "update_successful reads them then",
+        "optimizer.step() returns what Megatron's step returns (a Python bool, and the norm "
+        "and zero count as the installed version types them): one read of the flag per step "
+        "(and of the norm where the installed code returns a float), the reads Megatron's own "
+        "step makes, because Megatron-LM's train_step and its copies test "
+        "`update_successful is True`. A loop known to take device values opts in with "
+        "leanstep.megatron.step.keep_results_on_device (the main job; ms-swift's train_step "
+        "with the plugin): then the step reads nothing, and whoever logs the values or steps "
+        "a learning-rate schedule on update_successful reads them then",
 }
 
 

@@ -8,6 +8,7 @@ addresses, sizes and dtypes. The device, dtype and subclass checks run once
 per plan, not once per grad per call.
 """
 
+import atexit
 import functools
 import math
 import operator
@@ -36,13 +37,22 @@ _grad_of = operator.attrgetter("grad")
 
 
 class PlanCache:
-    """GradPlans for the grad lists Megatron passes each step."""
+    """GradPlans for the grad lists Megatron passes each step.
+
+    A plan is found by what decides the memory it covers: every grad's
+    address, shape, strides and dtype, and the device. The cache keeps plans
+    without their grads (:meth:`GradPlan._unbound`): it holds no grad memory
+    past the call that used it, however many lists it has seen (fresh main
+    grads each step, as fp16 without ``grad_reduce_in_fp32`` makes them, cost
+    one small template each, the oldest dropped past ``size``). A hit binds the
+    template to the caller's own tensors, the ones whose metadata matched:
+    never to tensors an earlier call passed, which may since have been
+    re-pointed."""
 
     def __init__(self, size=8):
         self._size = size
         self._by_key = {}
         self._order = []
-        self._last = None  # (list of tensors, plan) of the latest hit
         self._lock = threading.Lock()
 
     @staticmethod
@@ -63,24 +73,28 @@ class PlanCache:
         return plan, reason
 
     def _get(self, grads):
-        last = self._last
-        if last is not None and len(last[0]) == len(grads) and all(
-                map(operator.is_, last[0], grads)) and last[1].is_current():
-            return last[1], None
         key = self._key(grads)
         with self._lock:
             entry = self._by_key.get(key)
-        if entry is None:
-            entry = self._build(grads)
-            with self._lock:
-                self._by_key[key] = entry
+        if entry is not None:
+            template, reason = entry
+            if template is None:
+                return None, reason
+            plan = template._bound(grads, _EMPTY_LIKE)
+            if plan is not None:
+                return plan, None
+        plan, reason = self._build(grads)
+        with self._lock:
+            if key not in self._by_key:
                 self._order.append(key)
-                while len(self._order) > self._size:
-                    self._by_key.pop(self._order.pop(0), None)
-        plan, reason = entry
-        if plan is not None:
-            self._last = (list(grads), plan)
+            self._by_key[key] = (None if plan is None else plan._unbound(), reason)
+            while len(self._order) > self._size:
+                self._by_key.pop(self._order.pop(0), None)
         return plan, reason
+
+    def __len__(self):
+        with self._lock:
+            return len(self._by_key)
 
     @staticmethod
     def _build(grads):
@@ -101,10 +115,12 @@ class PlanCache:
         with self._lock:
             self._by_key.clear()
             self._order.clear()
-            self._last = None
 
 
 plans = PlanCache()
+# The cached plans hold native objects: freed before the interpreter tears the
+# extension module down (nanobind reports instances that outlive it as leaks).
+atexit.register(plans.clear)
 _EMPTY_LIKE = torch.empty(0)  # results of an empty grad list are torch tensors too
 
 

@@ -50,9 +50,11 @@ comparison of the norm).
 """
 
 import contextlib
+import copyreg
 import functools
 import math
 import threading
+import weakref
 
 import torch
 
@@ -65,8 +67,8 @@ OPTIMIZER = "megatron.core.optimizer.optimizer"
 STEP = "optimizer_step"
 CHAINED_STEP = "chained_optimizer_step"
 
-__all__ = ["DeviceBool", "DeviceTrackedDynamicGradScaler", "masked_adam_step",
-           "update_scaler_on_device", "SPECS"]
+__all__ = ["DeviceBool", "DeviceTrackedDynamicGradScaler", "keep_results_on_device",
+           "masked_adam_step", "update_scaler_on_device", "SPECS"]
 
 
 class DeviceBool:
@@ -84,6 +86,44 @@ class DeviceBool:
         if self._value is None:
             self._value = bool(self.tensor)
         return self._value
+
+    # What a loop that takes device values may still do with the flag: each of
+    # these reads it (once). ``flag is True`` and ``json.dumps(flag)`` cannot be
+    # made to work on an object that is not a bool: loops that do those get a
+    # real bool (see keep_results_on_device).
+    def __int__(self):
+        return int(bool(self))
+
+    __index__ = __int__
+
+    def __eq__(self, other):
+        if isinstance(other, DeviceBool):
+            other = bool(other)
+        return bool(self) == other
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash(bool(self))
+
+    def __add__(self, other):
+        return int(self) + other
+
+    def __radd__(self, other):
+        return other + int(self)
+
+    def __sub__(self, other):
+        return int(self) - other
+
+    def __rsub__(self, other):
+        return other - int(self)
+
+    def __str__(self):
+        return str(bool(self))
+
+    def __format__(self, spec):
+        return format(bool(self), spec)
 
     def __repr__(self):
         state = "unread" if self._value is None else self._value
@@ -116,9 +156,21 @@ class DeviceTrackedDynamicGradScaler:
     def _hysteresis_tracker(self, value):
         self._leanstep_trackers[1] = int(value)
 
+    def __reduce_ex__(self, protocol):
+        # Pickled (torch.save of a scaler, a deepcopy) as Megatron's own class with
+        # Python-int trackers (one read): the swapped class is leanstep's run-time
+        # detail and cannot be found by name.
+        state = dict(vars(self))
+        trackers = state.pop("_leanstep_trackers")
+        state["_growth_tracker"], state["_hysteresis_tracker"] = (int(v) for v in
+                                                                  trackers.tolist())
+        base = type(self)._leanstep_base
+        return (copyreg.__newobj__, (base,), state)
+
 
 _tracked_classes = {}
 _tracked_lock = threading.Lock()
+_tracked_scalers = weakref.WeakSet()  # what uninstall() gives Megatron's class back
 
 
 def track_on_device(scaler):
@@ -142,6 +194,7 @@ def track_on_device(scaler):
     scaler._leanstep_trackers = torch.tensor(values, dtype=torch.int64,
                                              device=scaler._scale.device)
     scaler.__class__ = tracked
+    _tracked_scalers.add(scaler)
     return scaler
 
 
@@ -154,7 +207,15 @@ def untrack(scaler):
     del scaler._leanstep_trackers
     scaler._growth_tracker = growth
     scaler._hysteresis_tracker = hysteresis
+    _tracked_scalers.discard(scaler)
     return scaler
+
+
+def untrack_all():
+    """Every scaler leanstep moved to the device gets Megatron's class and
+    Python-int trackers back (uninstall: nothing of leanstep's stays behind)."""
+    for scaler in list(_tracked_scalers):
+        untrack(scaler)
 
 
 def update_scaler_on_device(scaler, found_inf):
@@ -233,25 +294,34 @@ def masked_adam_step(inner, found_inf):
     device flag ``found_inf`` (fp32, > 0: skip) is set, without reading it.
 
     ``fused=True``: torch's fused kernel given ``found_inf`` (it skips and takes
-    the step counters back). Otherwise torch's for-loop arithmetic, op for op,
-    with the step counters moved to the device (they count only taken steps)
-    and the bias corrections computed there in float64, as torch computes them
-    in Python floats from its host counters; the new moments and parameters are
-    committed with ``torch.where`` on the flag. Where a group's counters are
-    known to be equal (every parameter has had a grad at every step since they
-    moved to the device, checked on the host), the bias corrections are
-    computed once for the group and the arithmetic runs as foreach ops (on the
-    CPU torch's foreach ops run its per-tensor kernels: the same bits)."""
+    the step counters back), through the class's own ``step`` (its hooks run
+    once; an instance-level shadow of ``step`` is not re-entered). Otherwise
+    torch's for-loop arithmetic, op for op, with the step counters moved to the
+    device (they count only taken steps) and the bias corrections computed
+    there in float64, as torch computes them in Python floats from its host
+    counters; the new moments and parameters are committed with ``torch.where``
+    on the flag. Low-precision params (fp16, bf16) take torch's roundings: the
+    ops torch runs with a Python-float scalar compute in fp32 and round once.
+    Where a group's counters are known to be equal and distinct (every
+    parameter has had a grad at every step since they moved to the device,
+    checked on the host), the bias corrections are computed once for the group
+    and the arithmetic runs as foreach ops (on the CPU torch's foreach ops run
+    its per-tensor kernels: the same bits). Otherwise each param is stepped in
+    list order, its counter incremented just before its own update, as torch's
+    for-loop does: counters that are one shared tensor (as Megatron's
+    distributed optimizer leaves them after loading a checkpoint) then advance
+    and are read exactly as torch advances and reads them."""
     groups = inner.param_groups
     if groups and groups[0].get("fused"):
         inner.found_inf = found_inf.reshape(())
         try:
-            inner.step()
+            type(inner).step(inner)
         finally:
             del inner.found_inf
         return
     skip = found_inf.reshape(()) > 0
     keep = torch.where(skip, 0.0, 1.0).to(torch.float32)
+    _watch_state_loads(inner)
     first = not getattr(inner, "_leanstep_device_steps", False)
     uniform = inner.__dict__.setdefault("_leanstep_uniform_steps", {})
     for index, group in enumerate(groups):
@@ -262,22 +332,41 @@ def masked_adam_step(inner, found_inf):
         if first:
             # The counters are torch's, on the host: their values are read there (host
             # memory, no wait for the device), once, before they move to the device.
-            uniform[index] = len({float(t) for t in steps}) == 1
+            # One tensor shared by several params is not uniform: each param's update
+            # reads it after its own increment.
+            distinct = len({id(t) for t in steps}) == len(steps)
+            uniform[index] = distinct and len({float(t) for t in steps}) == 1
         # Equal counters stay equal while all of the group's params step together (a
         # param without a grad is not stepped: its counter falls behind).
         if len(params) != len(group["params"]):
             uniform[index] = False
         steps = _steps_on_device(inner, params)
-        _foreach_scalar("add_", steps, keep.to(steps[0].dtype))
+        is_adamw = isinstance(inner, torch.optim.AdamW)
         if uniform.get(index):
+            _foreach_scalar("add_", steps, keep.to(steps[0].dtype))
             _masked_group_foreach(group, params, grads, exp_avgs, exp_avg_sqs, steps[0], skip,
-                                  isinstance(inner, torch.optim.AdamW))
+                                  is_adamw)
         else:
-            # Each param with its own counter: the same ops over one-element lists (on the
-            # CPU torch's foreach ops run the per-tensor kernels of its for-loop).
+            # Each param with its own counter, in torch's order: the increment, then the
+            # same ops over one-element lists (on the CPU torch's foreach ops run the
+            # per-tensor kernels of its for-loop).
             for one in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-                _masked_group_foreach(group, *([t] for t in one[:4]), one[4], skip,
-                                      isinstance(inner, torch.optim.AdamW))
+                step_t = one[4]
+                step_t.add_(keep.to(step_t.dtype))
+                _masked_group_foreach(group, *([t] for t in one[:4]), step_t, skip, is_adamw)
+
+
+def _forget_device_steps(inner, *args):
+    """After ``load_state_dict``: the counters are the checkpoint's, on the host
+    again and maybe unequal or shared; the next step looks at them afresh."""
+    inner.__dict__.pop("_leanstep_device_steps", None)
+    inner.__dict__.pop("_leanstep_uniform_steps", None)
+
+
+def _watch_state_loads(inner):
+    if not inner.__dict__.get("_leanstep_watches_loads"):
+        inner.register_load_state_dict_post_hook(_forget_device_steps)
+        inner._leanstep_watches_loads = True
 
 
 def _steps_on_device(inner, params):
@@ -326,12 +415,18 @@ def _masked_group_foreach(group, params, grads, exp_avgs, exp_avg_sqs, step_t, s
     for params whose step counters all equal ``step_t``: the bias corrections
     once, the elementwise ops as foreach ops. ``param.addcdiv_(exp_avg, denom,
     value=-step_size)`` computes ``self + value * t1 / t2``: the same roundings
-    here, with the step-dependent value from the device."""
+    here, with the step-dependent value from the device. Where torch passes a
+    Python float (``denom / bias_correction2_sqrt``, ``addcdiv_``'s value), its
+    kernels compute in the op-math type (fp32 for fp16 and bf16 params) and
+    round once: low-precision params are computed here in fp32 and rounded once,
+    likewise."""
     beta1, beta2 = group["betas"]
     lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
     decoupled = group.get("decoupled_weight_decay", is_adamw)
     step_size, bias_correction2_sqrt = _bias_corrections(group, step_t)
     dtype = params[0].dtype
+    math_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    low_precision = math_dtype is not dtype
     new_params = params
     if weight_decay != 0:
         if decoupled:
@@ -342,11 +437,21 @@ def _masked_group_foreach(group, params, grads, exp_avgs, exp_avg_sqs, step_t, s
     new_exp_avg_sqs = torch._foreach_mul(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(new_exp_avg_sqs, grads, grads, value=1 - beta2)
     denoms = torch._foreach_sqrt(new_exp_avg_sqs)
-    _foreach_scalar("div_", denoms, bias_correction2_sqrt.to(dtype))
-    torch._foreach_add_(denoms, eps)
-    updates = _foreach_scalar("mul", new_exp_avgs, (-step_size).to(dtype))
-    torch._foreach_div_(updates, denoms)
-    new_params = torch._foreach_add(new_params, updates)
+    if low_precision:
+        wide = [d.to(math_dtype) for d in denoms]
+        _foreach_scalar("div_", wide, bias_correction2_sqrt.to(math_dtype))
+        denoms = [d.to(dtype) for d in wide]
+        denoms = [(d.to(math_dtype) + eps).to(dtype) for d in denoms]
+        updates = _foreach_scalar("mul", [e.to(math_dtype) for e in new_exp_avgs],
+                                  (-step_size).to(math_dtype))
+        torch._foreach_div_(updates, [d.to(math_dtype) for d in denoms])
+        new_params = [(p.to(math_dtype) + u).to(dtype) for p, u in zip(new_params, updates)]
+    else:
+        _foreach_scalar("div_", denoms, bias_correction2_sqrt.to(dtype))
+        torch._foreach_add_(denoms, eps)
+        updates = _foreach_scalar("mul", new_exp_avgs, (-step_size).to(dtype))
+        torch._foreach_div_(updates, denoms)
+        new_params = torch._foreach_add(new_params, updates)
     for old, new in zip(exp_avgs, new_exp_avgs):
         torch.where(skip, old, new, out=old)
     for old, new in zip(exp_avg_sqs, new_exp_avg_sqs):
@@ -428,11 +533,15 @@ class _Step:
         _update_scaler(opt.grad_scaler, opt._leanstep_found)
 
     def _inner_step(self, opt, closure=None):
+        inner = opt.optimizer
+        if inner.param_groups and inner.param_groups[0].get("fused"):
+            # The class's own step (hooked by torch) takes found_inf: hooks run once.
+            return masked_adam_step(inner, self.combined())
         # Through torch's hook wrapper, as Optimizer.step: its pre- and post-step
         # hooks run and it records the step for the profiler.
         run = torch.optim.Optimizer.profile_hook_step(
             lambda inner, *args, **kwargs: masked_adam_step(inner, self.combined()))
-        return run(opt.optimizer)
+        return run(inner)
 
 
 def _sub_optimizers(optimizer):
@@ -486,7 +595,8 @@ def _make_step(original, spec, chained=False):
         if reason is not None:
             _patching.count(spec.name, reason=reason)
             restore_host_state(optimizers)
-            return original(self)
+            results = original(self)  # the norm may still be a patched device value
+            return results if _results_on_device(self) else _host_results(*results)
         _patching.count(spec.name, _device_of(optimizers), "torch")
         run = _Step(optimizers)
         _running.step = run
@@ -495,12 +605,62 @@ def _make_step(original, spec, chained=False):
                 success, grad_norm, num_zeros = original(self)
         finally:
             _running.step = None
-        if not run.flags:
-            return success, grad_norm, num_zeros  # no grad scaler: nothing to skip
-        ok = run.combined().reshape(()) == 0
-        return DeviceBool(ok if success else torch.zeros_like(ok)), grad_norm, num_zeros
+        if run.flags:
+            ok = run.combined().reshape(()) == 0
+            success = DeviceBool(ok if success else torch.zeros_like(ok))
+        if _results_on_device(self):
+            return success, grad_norm, num_zeros
+        return _host_results(success, grad_norm, num_zeros)
 
     return step
+
+
+_device_results = {"default": False}
+
+
+def keep_results_on_device(optimizer=None, enabled=True):
+    """Lets ``optimizer.step()`` (or, with ``optimizer=None``, every patched
+    step of this process that has no setting of its own) return its results
+    on the device: ``update_successful`` as a :class:`DeviceBool`, the grad
+    norm and the zero count as 0-d device tensors, so the step reads nothing.
+
+    Only for a loop known to take such values: leanstep's main job, and
+    ms-swift's train_step with the plugin (its reductions take them). By
+    default the step returns what Megatron's step returns (a Python bool, the
+    installed version's norm and zero-count types, ``(False, None, None)`` on a
+    skipped step), because Megatron-LM's ``train_step`` and its copies in
+    ms-swift and Megatron-Bridge test ``update_successful is True``: a device
+    value there would count every step as skipped and never step the
+    learning-rate schedule. That costs the one read of the flag Megatron's own
+    step makes (and, where the installed code returns a float, of the norm)."""
+    if optimizer is None:
+        _device_results["default"] = bool(enabled)
+        return
+    optimizer.__dict__["_leanstep_device_results"] = bool(enabled)
+
+
+def _results_on_device(optimizer):
+    return optimizer.__dict__.get("_leanstep_device_results", _device_results["default"])
+
+
+def _host_results(success, grad_norm, num_zeros):
+    """The step's results as Megatron's step returns them: a Python bool (one
+    read of the device flag, as Megatron's ``found_inf.item()``), and on a
+    skipped step ``(False, None, None)``. Where leanstep kept a value on the
+    device that the installed code returns as a Python number, it is read
+    (one read each, as the installed code's own ``.item()``): a float64 norm
+    (the installed float path's double) becomes a float, a 0-d zero count a
+    float (fp32 count, 0.16) or an int (int64 count, 0.17+)."""
+    if isinstance(success, DeviceBool):
+        success = bool(success)
+        if not success:
+            return False, None, None
+    if isinstance(grad_norm, torch.Tensor) and grad_norm.dtype == torch.float64 \
+            and grad_norm.dim() == 0:
+        grad_norm = grad_norm.item()
+    if isinstance(num_zeros, torch.Tensor) and num_zeros.dim() == 0:
+        num_zeros = num_zeros.item()
+    return success, grad_norm, num_zeros
 
 
 @contextlib.contextmanager

@@ -169,8 +169,13 @@ HOST_READS = {spec.name: spec.host_read for spec in SPECS if spec.host_read}
 def install_train_step_patches():
     """Keeps ms-swift's train_step reductions on the device (:data:`SPECS`);
     idempotent. Needs ms-swift's Megatron modules imported (the trainer's own
-    import does it)."""
+    import does it). ms-swift's train_step then takes the step's device values
+    (its two reductions are these patches), so the patched optimizer steps of
+    this process return them (:func:`leanstep.megatron.step.keep_results_on_device`)."""
+    from .step import keep_results_on_device
+
     _patching.install(SPECS)
+    keep_results_on_device(None, True)
 
 
 def _build_class(base):

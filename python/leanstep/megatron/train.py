@@ -319,6 +319,7 @@ class Trainer:
 
         from . import cpu
         from .lora import apply_lora
+        from .step import keep_results_on_device
 
         a = self.args
         if ps.model_parallel_is_initialized():
@@ -369,6 +370,8 @@ class Trainer:
                                      loss_scale_window=a.loss_scale_window,
                                      hysteresis=a.hysteresis)
         self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+        # This loop takes the step's results on the device and reads them when it logs.
+        keep_results_on_device(self.optimizer)
         if not a.no_grad_sync:  # (tests only: the silent pitfall of a hand-written loop)
             cpu.finalize_model_grads_config(config, [self.model], self.optimizer)
         self.config = config
