@@ -12,11 +12,12 @@ Submodules: ``leanstep.torch`` (autograd-aware modules and functions) and
 """
 
 from . import _leanstep
-from ._leanstep import Error, counters, data_ptr, describe, measure_bandwidth, num_threads
-from ._leanstep import read_scalar, reset_counters, set_num_threads
+from ._leanstep import (Error, counters, data_ptr, describe, measure_bandwidth, num_threads,
+                        reset_counters, set_num_threads)
 from ._dispatch import ops, preset, set_preset
 from ._registry import format_paths, paths, reset_paths
-from ._arrays import empty_cache, huge_pages, output_pool, set_huge_pages, set_output_pool
+from ._arrays import (empty_cache, huge_pages, output_pool, read_scalar, set_huge_pages,
+                      set_output_pool)
 
 Error.__module__ = "leanstep"
 __version__ = _leanstep.__version__

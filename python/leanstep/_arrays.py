@@ -266,6 +266,21 @@ def empty_cache():
 #: tracker cannot see it).
 output_hooks = []
 
+#: Callables ``(array, kind)`` told of every read of an array's values on the
+#: host that leanstep makes outside torch's dispatcher (:func:`read_scalar`):
+#: :class:`leanstep.audit.Audit` counts them where no aten op shows them.
+read_hooks = []
+
+
+def read_scalar(scalar):
+    """The value of a 1-element array (NumPy or torch, any device) as a Python
+    float: a read of its memory on the host (a device value waits for the
+    device)."""
+    if read_hooks:
+        for hook in list(read_hooks):
+            hook(scalar, "read_scalar")
+    return _leanstep.read_scalar(scalar)
+
 
 def empty(shape, dtype, like):
     """An uninitialised array of `shape` and `dtype` (a name such as

@@ -73,6 +73,7 @@ import collections
 import json
 import os
 import sys
+import threading
 import traceback
 import types
 from typing import Callable, Iterable, NamedTuple, Optional, Union
@@ -201,6 +202,7 @@ def _load_torch():
         T.__repr__: "repr",
         T.__contains__: "contains",
     }
+    new_tensor = T.new_tensor
     to_fn = T.to
     copy_fn = T.copy_
     from_data = (torch.tensor, torch.as_tensor)
@@ -261,6 +263,14 @@ def _load_torch():
                     if owner._is_device_memory(x):
                         owner._record_read("tensor_from_list", x, None)
                 return func(*args, **kwargs)
+            if kind is None and (func in from_data or func is new_tensor):
+                # torch.tensor(d, device="cpu"), torch.as_tensor(d, device="cpu"),
+                # x.new_tensor(d, device="cpu"): a copy of d to the host.
+                data = args[1] if func is new_tensor and len(args) > 1 else t
+                target = _device_arg(func, args, kwargs)
+                if isinstance(data, torch.Tensor) and target is not None and _to_host(
+                        (data, target), {}, self.owner.device_memory):
+                    kind, t = "tensor_to_host", data
             if kind is None:
                 memory = self.owner.device_memory
                 if func is to_fn and isinstance(t, torch.Tensor) and _to_host(args, kwargs, memory):
@@ -337,15 +347,52 @@ def _load_torch():
             elif func in data_dependent or (
                 func is repeat_interleave and kwargs.get("output_size") is None
             ):
-                owner._record_sync(owner.implicit_syncs, "data_dependent", name, args[0])
+                owner._record_data_dependent(name, args)
             elif func in bool_indexed and len(args) > 1:
                 if any(isinstance(i, torch.Tensor) and i.dtype in mask_dtypes
                        for i in (args[1] or ())):
-                    owner._record_sync(owner.implicit_syncs, "data_dependent", name, args[0])
+                    owner._record_data_dependent(name, args)
             return func(*args, **kwargs)
 
     _modes = (_FunctionMode, _DispatchMode)
     return _modes
+
+
+_saves = {"depth": 0, "original": None}
+_saves_lock = threading.Lock()
+
+
+def _watch_saves(delta):
+    """While any audit is active, ``torch.save`` tells the audits of each
+    tensor it writes: serializing reads every element, on a GPU after a copy
+    of the storage to the host, beneath any aten op or torch function."""
+    with _saves_lock:
+        _saves["depth"] += delta
+        if _saves["depth"] == 1 and delta > 0:
+            original = _saves["original"] = _torch.save
+
+            def save(obj, *args, **kwargs):
+                if _arrays.read_hooks:
+                    for t in _tensor_leaves(obj, []):
+                        for hook in list(_arrays.read_hooks):
+                            hook(t, "save")
+                return original(obj, *args, **kwargs)
+
+            save.__wrapped__ = original
+            _torch.save = save
+        elif _saves["depth"] == 0 and _saves["original"] is not None:
+            if getattr(_torch.save, "__wrapped__", None) is _saves["original"]:
+                _torch.save = _saves["original"]
+            _saves["original"] = None
+
+
+def _device_arg(func, args, kwargs):
+    """The ``device`` a factory or conversion call names (keyword, or
+    ``as_tensor``'s third positional argument), else None."""
+    target = kwargs.get("device")
+    if target is None and func is _torch.as_tensor and len(args) > 2:
+        target = args[2]
+    return target if isinstance(target, (str, _torch.device)) else None
 
 
 def _to_target(args, kwargs):
@@ -549,6 +596,19 @@ def _load_memory_modes():
                 return owner._to_host(func(*args, **kwargs), t)
             elif func is numpy_fn and isinstance(t, torch.Tensor) and owner.holds(t):
                 return func(owner._to_host(t, t), *args[1:], **kwargs)
+            target = _device_arg(func, args, kwargs)
+            if target is not None and target is not owner.stand_in and _names_host(target):
+                # Made on the host from device memory (torch.as_tensor(d, device="cpu"),
+                # zeros_like(d, device="cpu"), d.new_zeros(2, device="cpu")): host
+                # memory, a copy where torch gave d itself back (as on a GPU).
+                out = func(*args, **kwargs)
+                sources = [x for x in _tensor_leaves(args, []) if owner.holds(x)]
+                for r in _tensor_leaves(out, []):
+                    if owner.holds(r):
+                        fresh = owner._to_host(r, sources[0] if sources else r)
+                        if fresh is not r:
+                            return fresh if isinstance(out, torch.Tensor) else out
+                return out
             out = func(*args, **kwargs)
             stand_in = owner.stand_in
             if any(v is stand_in for v in kwargs.values()) or any(a is stand_in for a in args):
@@ -588,6 +648,14 @@ def _load_memory_modes():
 
     _memory_modes = (_MemoryFunctionMode, _MemoryDispatchMode)
     return _memory_modes
+
+
+def _names_host(target) -> bool:
+    try:
+        return _torch.device(target).type == "cpu" if isinstance(target, str) \
+            else target.type == "cpu"
+    except RuntimeError:
+        return False
 
 
 class DeviceMemory:
@@ -839,7 +907,12 @@ class Audit:
         return CallSite(f.f_code.co_filename, f.f_lineno, f.f_code.co_name, via)
 
     def _record_sync(self, counter, kind, op, t):
-        dev = str(t.device) if isinstance(t, _torch.Tensor) else "?"
+        dev = "?"
+        if isinstance(t, _torch.Tensor):
+            with _torch._C.DisableTorchFunction():
+                dev = str(t.device)
+            if self.device_memory is not None and self.device_memory.holds(t):
+                dev += " (device memory)"  # a CPU run standing in for the accelerator
         counter[Sync(kind, op, dev, self._site())] += 1
 
     def _record_list_call(self, op, list_args, args, kwargs):
@@ -849,14 +922,31 @@ class Audit:
         self.list_calls[ListCall(op, sum(1 for x in lists if x), numels)] += 1
 
     def _is_device_memory(self, t) -> bool:
-        """Whether a read of `t` reads device memory: by the DeviceMemory when
-        there is one, else by its device (any but the CPU, meta included)."""
+        """Whether a read of `t` reads device memory: a tensor on any device but
+        the CPU (meta included) does; a CPU tensor does when the DeviceMemory,
+        if there is one, holds it."""
         if not isinstance(t, _torch.Tensor):
             return False
-        if self.device_memory is not None:
-            return self.device_memory.holds(t)
         with _torch._C.DisableTorchFunction():
-            return t.device.type != "cpu"
+            if t.device.type != "cpu":
+                return True
+        return self.device_memory is not None and self.device_memory.holds(t)
+
+    def _record_data_dependent(self, op, args):
+        """An op whose result or output shape the host needs (nonzero, equal,
+        allclose, a bool mask...): an implicit sync, and on device memory a read
+        of it (the host waits for its values)."""
+        t = args[0]
+        self._record_sync(self.implicit_syncs, "data_dependent", op, t)
+        if not self._reading and self._is_device_memory(t):
+            self._record_read(op.split(".")[1] if op.startswith("aten.") else op, t, None)
+
+    def _on_native_read(self, array, kind):
+        # leanstep.read_scalar, torch.save: reads beneath torch's dispatcher. The hooks
+        # are process-wide; the audit, like its modes, counts its own thread only.
+        if (self._active is not None and threading.get_ident() == self._thread
+                and isinstance(array, _torch.Tensor)):
+            self._record_read(kind, array, None)
 
     def _record_read(self, kind, t, error):
         memory = "device" if self._is_device_memory(t) else "host-resident"
@@ -871,10 +961,16 @@ class Audit:
         if self._active is not None:
             raise RuntimeError("this Audit is already active; nest a new leanstep.audit() instead")
         self._active = _enter_modes(_load_torch(), self)
+        self._thread = threading.get_ident()
+        _arrays.read_hooks.append(self._on_native_read)
+        _watch_saves(+1)
         return self
 
     def __exit__(self, exc_type, exc, tb):
         active, self._active = self._active, None
+        if self._on_native_read in _arrays.read_hooks:
+            _arrays.read_hooks.remove(self._on_native_read)
+            _watch_saves(-1)
         problems = _leave_modes(active)
         if problems:
             raise Error(
