@@ -387,11 +387,9 @@ def _watch_saves(delta):
 
 
 def _device_arg(func, args, kwargs):
-    """The ``device`` a factory or conversion call names (keyword, or
-    ``as_tensor``'s third positional argument), else None."""
+    """The ``device`` a factory or conversion call names (a keyword-only
+    argument of every one of them), else None."""
     target = kwargs.get("device")
-    if target is None and func is _torch.as_tensor and len(args) > 2:
-        target = args[2]
     return target if isinstance(target, (str, _torch.device)) else None
 
 

@@ -165,7 +165,9 @@ class DeviceTrackedDynamicGradScaler:
         state["_growth_tracker"], state["_hysteresis_tracker"] = (int(v) for v in
                                                                   trackers.tolist())
         base = type(self)._leanstep_base
-        return (copyreg.__newobj__, (base,), state)
+        # copyreg's own reconstructor: the pickle names Megatron's class and nothing of
+        # leanstep's, so it loads where leanstep is not installed.
+        return (copyreg._reconstructor, (base, object, None), state)
 
 
 _tracked_classes = {}
