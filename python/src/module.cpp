@@ -16,6 +16,7 @@
 
 #include "arrays.h"
 #include "bindings.h"
+#include "exchange.h"
 
 namespace nb = nanobind;
 using namespace leanstep;
@@ -185,6 +186,7 @@ NB_MODULE(_leanstep, m) {
       nb::arg("access"), nb::arg("buffer_bytes") = size_t{256} << 20);
 
   bind_host_memory(m);
+  bind_exchange(m);
 
   nb::list areas;
 #ifdef LEANSTEP_BIND_COMM
