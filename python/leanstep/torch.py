@@ -14,11 +14,15 @@
 
 import torch
 
-from . import _leanstep, _registry
+from . import _backend, _leanstep, _registry
 from ._arrays import dtype_name as _dtype_name
 from ._arrays import empty as _empty
 from ._arrays import native as _native
 from .backends import torch_rmsnorm
+
+if "rmsnorm" in _leanstep.areas:
+    from ._leanstep import rmsnorm_backward_lean as _rmsnorm_backward_lean
+    from ._leanstep import rmsnorm_forward_lean as _rmsnorm_forward_lean
 
 if "moe" in _leanstep.areas:
     from ._moe import (
@@ -64,6 +68,44 @@ class _RMSNormFunction(torch.autograd.Function):
                                         weight.detach(), dx, dweight, 0.0,
                                         ctx.zero_centered_gamma, **context)
         return dx, dweight, None, None, None, None
+
+
+class _LeanRMSNorm(torch.autograd.Function):
+    """The CPU kernels' RMSNorm with its decision made (:meth:`RMSNorm.forward`
+    caches it): one native call each way, tensors handed over through DLPack's
+    exchange table. dweight only when the weight needs a gradient (frozen: no
+    cross-row reduction at all)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, zero_centered_gamma, cast_then_scale):
+        y = _output_like(x)
+        rstd = torch.empty(x.shape[:-1], dtype=torch.float32)
+        _rmsnorm_forward_lean(x, weight, y, rstd, eps, zero_centered_gamma, cast_then_scale,
+                              ctx.needs_input_grad[1])
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.zero_centered_gamma = zero_centered_gamma
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        if not dy.is_contiguous() or dy.is_neg():
+            dy = dy.contiguous().resolve_neg()
+        dx = _output_like(x)
+        dweight = _output_like(weight) if ctx.needs_input_grad[1] else None
+        _rmsnorm_backward_lean(dy, x, rstd, weight, dx, dweight, ctx.zero_centered_gamma)
+        return dx, dweight, None, None, None
+
+
+_POOLED_BYTES = 2 << 20  # outputs from here up come from leanstep's pool (_arrays.empty)
+
+
+def _output_like(t):
+    """An uninitialised output like CPU tensor `t`: torch's allocator for the
+    small ones (the common case), leanstep's pool / huge pages for large ones."""
+    if t.numel() * t.element_size() < _POOLED_BYTES:
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+    return _fresh_like(t)
 
 
 class _ExactForwardFrozenRMSNorm(torch.autograd.Function):
@@ -288,6 +330,14 @@ class RMSNorm(torch.nn.RMSNorm):
         )
 
     def forward(self, x):
+        lean = self.__dict__.get("_lean")
+        if lean is not None and (self.enabled is None or self.enabled()):
+            y = lean.run(self, x)
+            if y is not None:
+                return y
+        return self._forward(x)
+
+    def _forward(self, x):
         # torch has neither convention: with them, leanstep must run.
         delegate_ok = not self.zero_centered_gamma and self.rounding == "scale_then_cast"
         if self.enabled is not None and not self.enabled() and delegate_ok:
@@ -342,6 +392,10 @@ class RMSNorm(torch.nn.RMSNorm):
         if chosen == "triton":
             return route.module.rms_norm(x, self.weight, float(eps), self.zero_centered_gamma,
                                          self.rounding, _count_triton_backward)
+        if type(self).forward is RMSNorm.forward and not self.frozen_only:
+            # Decided: later calls with the same signature take _LeanPath.run.
+            self.__dict__["_lean"] = _LeanPath(self, x, float(eps), route.reason,
+                                               self.last_decision)
         if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             y = _fresh_like(x)
             rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
@@ -350,6 +404,64 @@ class RMSNorm(torch.nn.RMSNorm):
             return y
         return _RMSNormFunction.apply(x, self.weight, float(eps), self.zero_centered_gamma,
                                       self.rounding, context)
+
+
+_global_hooks = (torch.nn.modules.module._global_forward_hooks,
+                 torch.nn.modules.module._global_forward_pre_hooks,
+                 torch.nn.modules.module._global_backward_hooks,
+                 torch.nn.modules.module._global_backward_pre_hooks)
+
+
+def _is_autocast_cpu():
+    return torch.is_autocast_enabled("cpu")
+
+
+class _LeanPath:
+    """One RMSNorm module's decision for the CPU kernels, made once by the full
+    path (:meth:`RMSNorm._forward`) and reused while a call has the same
+    signature: the input's class, dtype, device, width and layout, the
+    weight's identity, dtype and requires_grad, and the options. Each call
+    still checks what can change from call to call: hooks (module and global),
+    autocast, saved-tensor hooks (offload), compile, a negated view. Any
+    difference sends the call back to the full path, which decides again."""
+
+    __slots__ = ("signature", "eps", "zero_centered_gamma", "cast_then_scale", "why",
+                 "decision")
+
+    def __init__(self, module, x, eps, why, decision):
+        self.signature = self._signature(module, x)
+        self.eps = eps
+        self.zero_centered_gamma = module.zero_centered_gamma
+        self.cast_then_scale = module.rounding == "cast_then_scale"
+        self.why = why
+        self.decision = dict(decision)
+
+    @staticmethod
+    def _signature(module, x):
+        w = module.weight
+        return (type(x), x.dtype, x.device, x.shape[-1] if x.dim() else None, x.is_contiguous(),
+                w, w.dtype, w.requires_grad, module.eps, module.zero_centered_gamma,
+                module.rounding, module.backend, module.exact_forward)
+
+    def run(self, module, x):
+        """The output, or None when the full path must decide this call."""
+        if (self._signature(module, x) != self.signature or x.is_neg()
+                or module._forward_hooks or module._forward_pre_hooks
+                or module._backward_hooks or module._backward_pre_hooks
+                or any(_global_hooks) or _is_autocast_cpu()
+                or _activation_offload_active() or _compiling()):
+            return None
+        weight = module.weight
+        grad = torch.is_grad_enabled()
+        _backend.record("rmsnorm.forward", "cpu", "cpu", self.why)
+        module.__dict__["last_decision"] = dict(self.decision)
+        if grad and (x.requires_grad or weight.requires_grad):
+            return _LeanRMSNorm.apply(x, weight, self.eps, self.zero_centered_gamma,
+                                      self.cast_then_scale)
+        y = _output_like(x)
+        _rmsnorm_forward_lean(x, weight, y, torch.empty(x.shape[:-1], dtype=torch.float32),
+                              self.eps, self.zero_centered_gamma, self.cast_then_scale, False)
+        return y
 
 
 # ---------------------------------------------------------------- MoE

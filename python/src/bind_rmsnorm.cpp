@@ -15,6 +15,7 @@
 
 #include "arrays.h"
 #include "bindings.h"
+#include "exchange.h"
 
 namespace leanstep::py {
 namespace {
@@ -180,6 +181,49 @@ void bind_rmsnorm(nb::module_& m) {
       nb::arg("autocast") = false, nb::arg("activation_offload") = false,
       nb::arg("debug_hooks") = false, nb::arg("compiled_or_captured") = false,
       nb::arg("user_subclass") = false);
+
+  // The lean entry points of leanstep.torch's RMSNorm (its decision made and
+  // cached in Python): tensors taken through DLPack's exchange table, positional
+  // arguments, nothing returned. Through the registry as the routed ones, with
+  // no feature set (the caller checked them).
+  m.def(
+      "rmsnorm_forward_lean",
+      [](nb::handle x, nb::handle gamma, nb::handle y, nb::handle rstd, double eps,
+         bool zero_centered_gamma, bool cast_then_scale, bool weight_requires_grad) {
+        const Tensor xt = tensor_from(x, "x"), gt = tensor_from(gamma, "weight");
+        const Tensor yt = tensor_from(y, "y"), rt = tensor_from(rstd, "rstd");
+        rmsnorm::Options options;
+        options.eps = eps;
+        options.zero_centered_gamma = zero_centered_gamma;
+        options.rounding = cast_then_scale ? rmsnorm::RoundingOrder::kCastThenScale
+                                           : rmsnorm::RoundingOrder::kScaleThenCast;
+        rmsnorm::CallContext context;
+        context.weight_requires_grad = weight_requires_grad;
+        nb::gil_scoped_release release;
+        ops::rmsnorm_forward(xt, gt, yt, rt, options, context);
+      },
+      nb::arg("x"), nb::arg("weight"), nb::arg("y"), nb::arg("rstd"), nb::arg("eps"),
+      nb::arg("zero_centered_gamma"), nb::arg("cast_then_scale"),
+      nb::arg("weight_requires_grad"));
+  m.def(
+      "rmsnorm_backward_lean",
+      [](nb::handle dy, nb::handle x, nb::handle rstd, nb::handle gamma, nb::handle dx,
+         nb::handle dgamma, bool zero_centered_gamma) {
+        const Tensor dyt = tensor_from(dy, "dy"), xt = tensor_from(x, "x");
+        const Tensor rt = tensor_from(rstd, "rstd"), gt = tensor_from(gamma, "weight");
+        const Tensor dxt = tensor_from(dx, "dx");
+        std::optional<Tensor> dgt;
+        if (!dgamma.is_none()) dgt = tensor_from(dgamma, "dweight");
+        rmsnorm::Options options;
+        options.eps = 0.0;  // eps enters through rstd, which the forward saved
+        options.zero_centered_gamma = zero_centered_gamma;
+        rmsnorm::CallContext context;
+        context.weight_requires_grad = dgt.has_value();
+        nb::gil_scoped_release release;
+        ops::rmsnorm_backward(dyt, xt, rt, gt, dxt, dgt ? &*dgt : nullptr, options, context);
+      },
+      nb::arg("dy"), nb::arg("x"), nb::arg("rstd"), nb::arg("weight"), nb::arg("dx"),
+      nb::arg("dweight").none(), nb::arg("zero_centered_gamma"));
 
   m.def(
       "rmsnorm_decide",

@@ -5,6 +5,8 @@
 // collisions) at tens of nanoseconds a view.
 #include "exchange.h"
 
+#include "arrays.h"
+
 #include <cstring>
 #include <string>
 #include <utility>
@@ -43,53 +45,119 @@ const ExchangeApi* lookup(PyTypeObject* type) {
   return api;
 }
 
-template <class T>
-void put(std::string& out, T value) {
-  char bytes[sizeof(T)];
-  std::memcpy(bytes, &value, sizeof(T));
-  out.append(bytes, sizeof(T));
-}
+// The key of a list: a byte string of every tensor's description, and a
+// 64-bit hash of it (the cache's dict is keyed by the hash; a hit compares the
+// bytes, a memcmp: exact, and cheaper than Python hashing the bytes anew).
+class KeyBuilder {
+ public:
+  explicit KeyBuilder(size_t n) { words_.reserve(n * kWordsPerTensor); }
 
-// None when any element cannot be described (not a tensor with an exchange
-// table, a device DLPack has no code for, a tensor that requires grad...):
-// the caller keys that list in Python instead.
-nb::object tensor_list_key(nb::handle list) {
-  PyObject* seq = list.ptr();
+  // False when `obj` cannot be described (the caller keys the list in Python).
+  bool add(PyObject* obj) {
+    PyTypeObject* type = Py_TYPE(obj);
+    if (type != last_type_) {
+      api_ = exchange_api(obj);
+      last_type_ = type;
+    }
+    if (api_ == nullptr) return false;
+    DLTensor t;
+    if (api_->dltensor_from_py_object_no_sync(obj, &t) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+    word(reinterpret_cast<uintptr_t>(t.data));
+    word(t.byte_offset);
+    word((static_cast<uint64_t>(static_cast<uint32_t>(t.device.device_type)) << 32) |
+         static_cast<uint32_t>(t.device.device_id));
+    word((static_cast<uint64_t>(t.dtype.code) << 56) | (static_cast<uint64_t>(t.dtype.bits) << 48) |
+         (static_cast<uint64_t>(t.dtype.lanes) << 32) | static_cast<uint32_t>(t.ndim));
+    for (int d = 0; d < t.ndim; ++d) word(static_cast<uint64_t>(t.shape[d]));
+    if (t.strides == nullptr) {
+      word(~uint64_t{0});  // compact row-major: no strides given
+    } else {
+      for (int d = 0; d < t.ndim; ++d) word(static_cast<uint64_t>(t.strides[d]));
+    }
+    return true;
+  }
+
+  nb::object result() const {
+    return nb::make_tuple(nb::int_(static_cast<int64_t>(hash_)),
+                          nb::bytes(words_.data(), words_.size() * sizeof(uint64_t)));
+  }
+
+ private:
+  static constexpr size_t kWordsPerTensor = 8;
+
+  void word(uint64_t v) {
+    words_.push_back(v);
+    // A multiply-xorshift mix per word: a dict key, not a security boundary (a
+    // collision costs one memcmp that says "different").
+    hash_ = (hash_ ^ v) * 0x9E3779B97F4A7C15ull;
+    hash_ ^= hash_ >> 29;
+  }
+
+  std::vector<uint64_t> words_;
+  uint64_t hash_ = 0x243F6A8885A308D3ull;
+  PyTypeObject* last_type_ = nullptr;
+  const ExchangeApi* api_ = nullptr;
+};
+
+// (hash, key) of a list or tuple of tensors, or None when some element cannot
+// be described (no exchange table, a device DLPack has no code for...).
+nb::object tensor_list_key(nb::handle tensors) {
+  PyObject* seq = tensors.ptr();
   if (!PyList_Check(seq) && !PyTuple_Check(seq)) return nb::none();
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   PyObject** items = PySequence_Fast_ITEMS(seq);
-  std::string key;
-  key.reserve(static_cast<size_t>(n) * 64);
-  PyTypeObject* last_type = nullptr;
-  const ExchangeApi* api = nullptr;
+  KeyBuilder key(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (!key.add(items[i])) return nb::none();
+  return key.result();
+}
+
+// (grads, hash, key): the attribute `name` of each object of a list or tuple
+// (a param's "grad" or "decoupled_grad"), those that are not None, in order,
+// and their key; None when some grad cannot be described.
+//
+// With `flag`: only params whose attribute `flag` is `counted` take part, and
+// those whose attribute is `skipped` are left out (a filter the caller
+// evaluated once per param and cached on it); False when some param has
+// neither (the caller evaluates the filter and asks again).
+nb::object grads_and_key(nb::handle params, nb::str name, nb::object flag, nb::handle counted,
+                         nb::handle skipped) {
+  PyObject* seq = params.ptr();
+  if (!PyList_Check(seq) && !PyTuple_Check(seq))
+    throw nb::type_error("grads_and_key: argument 'params' must be a list or tuple");
+  const bool filtered = !flag.is_none();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  nb::list grads;
+  KeyBuilder key(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyTypeObject* type = Py_TYPE(items[i]);
-    if (type != last_type) {
-      api = exchange_api(items[i]);
-      last_type = type;
+    if (filtered) {
+      PyObject* mark = PyObject_GetAttr(items[i], flag.ptr());
+      if (mark == nullptr) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw nb::python_error();
+        PyErr_Clear();
+        return nb::bool_(false);
+      }
+      Py_DECREF(mark);  // compared by identity only: the caller's sentinels stay alive
+      if (mark == skipped.ptr()) continue;
+      if (mark != counted.ptr()) return nb::bool_(false);
     }
-    if (api == nullptr) return nb::none();
-    DLTensor t;
-    if (api->dltensor_from_py_object_no_sync(items[i], &t) != 0) {
-      PyErr_Clear();
-      return nb::none();
+    PyObject* grad = PyObject_GetAttr(items[i], name.ptr());
+    if (grad == nullptr) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw nb::python_error();
+      PyErr_Clear();  // getattr(param, name, None)
+      continue;
     }
-    put(key, reinterpret_cast<uintptr_t>(t.data));
-    put(key, t.byte_offset);
-    put(key, static_cast<int32_t>(t.device.device_type));
-    put(key, static_cast<int32_t>(t.device.device_id));
-    put(key, t.dtype.code);
-    put(key, t.dtype.bits);
-    put(key, t.dtype.lanes);
-    put(key, t.ndim);
-    for (int d = 0; d < t.ndim; ++d) put(key, t.shape[d]);
-    if (t.strides == nullptr) {
-      put(key, int64_t{-1});  // compact row-major: no strides given
-    } else {
-      for (int d = 0; d < t.ndim; ++d) put(key, t.strides[d]);
-    }
+    nb::object owned = nb::steal(grad);
+    if (grad == Py_None) continue;
+    if (!key.add(grad)) return nb::none();
+    grads.append(owned);
   }
-  return nb::bytes(key.data(), key.size());
+  nb::object out = key.result();
+  return nb::make_tuple(grads, out[0], out[1]);
 }
 
 }  // namespace
@@ -104,11 +172,33 @@ const ExchangeApi* exchange_api(PyObject* obj) {
   return api;
 }
 
+Tensor tensor_from(nb::handle obj, std::string_view arg) {
+  const ExchangeApi* api = exchange_api(obj.ptr());
+  if (api != nullptr) {
+    DLTensor t;
+    if (api->dltensor_from_py_object_no_sync(obj.ptr(), &t) != 0) throw nb::python_error();
+    return Tensor::from_dlpack(t, arg);
+  }
+  InArray array;
+  if (!nb::try_cast(obj, array))
+    throw_arg_error("leanstep", arg,
+                    "must be a tensor or DLPack array (got " +
+                        std::string(nb::type_name(obj.type()).c_str()) + ")");
+  return to_tensor(array, arg);
+}
+
 void bind_exchange(nb::module_& m) {
   m.def("tensor_list_key", &tensor_list_key, nb::arg("tensors"),
-        "bytes naming every tensor's address, device, dtype, shape and strides, read from C "
-        "through DLPack's exchange table; None when some element has no such description "
-        "(key that list in Python).");
+        "(hash, key): key, bytes naming every tensor's address, device, dtype, shape and "
+        "strides, read from C through DLPack's exchange table, and a 64-bit hash of it; None "
+        "when some element has no such description (key that list in Python).");
+  m.def("grads_and_key", &grads_and_key, nb::arg("params"), nb::arg("name"),
+        nb::arg("flag").none() = nb::none(), nb::arg("counted").none() = nb::none(),
+        nb::arg("skipped").none() = nb::none(),
+        "(grads, hash, key): getattr(p, name, None) of every p, the non-None ones in order, "
+        "and their key as tensor_list_key gives it; None when some grad has no description. "
+        "With flag: only params whose attribute flag is counted (those whose flag is skipped "
+        "are left out); False when a param has neither.");
   m.def("has_exchange_api", [](nb::handle obj) { return exchange_api(obj.ptr()) != nullptr; },
         nb::arg("obj"), "Whether obj's type offers DLPack's C exchange table.");
 }

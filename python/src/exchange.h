@@ -6,8 +6,12 @@
 
 #include <cstdint>
 
+#include <string_view>
+
 #include <dlpack/dlpack.h>
 #include <nanobind/nanobind.h>
+
+#include <leanstep/core.h>
 
 namespace leanstep::py {
 
@@ -40,6 +44,12 @@ struct ExchangeApi {
 // type has none this code can use (no attribute, another major version, no
 // non-owning export).
 const ExchangeApi* exchange_api(PyObject* obj);
+
+// A leanstep view of a torch tensor (or any object whose type has the
+// exchange table; else any DLPack array, through nanobind's import), valid
+// while the object lives. `arg` names it in errors. One C call per tensor: no
+// capsule, no Python call. The hot entry points take tensors this way.
+Tensor tensor_from(nb::handle obj, std::string_view arg);
 
 void bind_exchange(nb::module_& m);
 

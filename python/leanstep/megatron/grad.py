@@ -18,7 +18,7 @@ import threading
 import torch
 
 from .. import _backend, _dispatch
-from .._leanstep import tensor_list_key
+from .._leanstep import grads_and_key, tensor_list_key
 from ..backends.torch_grad import PLAN_DTYPES
 from . import _patching
 from ._patching import EMPTY, Spec, Variant
@@ -57,32 +57,36 @@ class PlanCache:
         self._lock = threading.Lock()
 
     @staticmethod
-    def _key(grads):
-        # Everything that decides which memory a view covers: two views with
-        # one address and numel may still differ in strides (buf[0:8] and
-        # buf[0:16:2]) or shape. Read from C through DLPack's exchange table
-        # (tens of nanoseconds a view); in Python where a tensor has none (meta).
-        key = tensor_list_key(grads)
-        if key is not None:
-            return key
-        return (tuple(map(_ptr, grads)), tuple(map(_size, grads)), tuple(map(_stride, grads)),
-                tuple(map(_dtype, grads)), tuple(g.device for g in grads))
+    def key(grads):
+        """(dict key, exact key) of a grad list: everything that decides which
+        memory each view covers (two views with one address and numel may
+        still differ in strides, buf[0:8] and buf[0:16:2], or shape). Read from
+        C through DLPack's exchange table (tens of nanoseconds a view: a 64-bit
+        hash and the bytes it hashes); in Python where a tensor has no table
+        (meta)."""
+        native = tensor_list_key(grads)
+        if native is not None:
+            return native
+        key = (tuple(map(_ptr, grads)), tuple(map(_size, grads)), tuple(map(_stride, grads)),
+               tuple(map(_dtype, grads)), tuple(g.device for g in grads))
+        return key, key
 
-    def get(self, grads, in_place=False):
+    def get(self, grads, in_place=False, key=None):
         """(plan, None), or (None, reason) when leanstep cannot take these grads.
         ``in_place``: the caller writes the grads, so a self-overlapping one
-        (expand(), stride 0) goes to Megatron's own code, which decides."""
-        plan, reason = self._get(grads)
+        (expand(), stride 0) goes to Megatron's own code, which decides.
+        ``key``: :meth:`key` of ``grads``, where the caller has it."""
+        plan, reason = self._get(grads, key or self.key(grads))
         if in_place and plan is not None and plan._core.first_self_overlapping >= 0:
             return None, "self_overlapping_grad"
         return plan, reason
 
-    def _get(self, grads):
-        key = self._key(grads)
+    def _get(self, grads, key):
+        dict_key, exact = key
         with self._lock:
-            entry = self._by_key.get(key)
-        if entry is not None:
-            template, reason = entry
+            entry = self._by_key.get(dict_key)
+        if entry is not None and entry[0] == exact:  # the bytes compared: never a stale plan
+            _, template, reason = entry
             if template is None:
                 return None, reason
             plan = template._bound(grads, _EMPTY_LIKE)
@@ -90,9 +94,9 @@ class PlanCache:
                 return plan, None
         plan, reason = self._build(grads)
         with self._lock:
-            if key not in self._by_key:
-                self._order.append(key)
-            self._by_key[key] = (None if plan is None else plan._unbound(), reason)
+            if dict_key not in self._by_key:
+                self._order.append(dict_key)
+            self._by_key[dict_key] = (exact, None if plan is None else plan._unbound(), reason)
             while len(self._order) > self._size:
                 self._by_key.pop(self._order.pop(0), None)
         return plan, reason
@@ -210,12 +214,9 @@ def _make_clip_grad_by_total_norm_fp32(original, spec):
             return original(parameters, max_norm, total_norm, use_decoupled_grad)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         attr = "decoupled_grad" if use_decoupled_grad else "grad"
-        if use_decoupled_grad:
-            grads = [g for g in (getattr(p, attr, None) for p in params) if g is not None]
-        else:  # the hot path: attribute reads in C, no Python loop per param
-            grads = [g for g in map(_grad_of, params) if g is not None]
+        grads, key = grads_with_key(params, attr)
         allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
-        plan, reason = plans.get(grads, in_place=True)
+        plan, reason = plans.get(grads, in_place=True, key=key)
         if reason is None and grads and any(d not in allowed for d in set(map(_dtype, grads))):
             reason = "dtype"  # the original asserts on these
         if reason is None and isinstance(total_norm, torch.Tensor) and grads and \
@@ -254,40 +255,107 @@ def _make_clip_grad_by_total_norm_fp32(original, spec):
 # ---------------------------------------------------------------- count_zeros_fp32
 
 
+def grads_with_key(params, attr):
+    """(the params' non-None ``attr`` grads in order, their plan-cache key or
+    None): one C pass over the list where every grad has DLPack's exchange
+    table, else Python (the cache then keys the list itself)."""
+    keyed = grads_and_key(params, attr)
+    if keyed is not None:
+        grads, hash_, key = keyed
+        return grads, (hash_, key)
+    if attr == "grad":
+        return [g for g in map(_grad_of, params) if g is not None], None
+    return [g for g in (getattr(p, attr, None) for p in params) if g is not None], None
+
+
+#: The attribute on a param that caches whether count_zeros_fp32 counts it: a
+#: per-context sentinel (see _ZeroCountContext), so the installed version's
+#: filters run once per param, not once per param per step.
+ZERO_COUNT_FLAG = "_leanstep_zero_count"
+
+
+class _ZeroCountContext:
+    """The filter context of count_zeros_fp32: its process groups. Its two
+    sentinels mark a param as counted or skipped under these groups; a param
+    marked under other groups is evaluated again. The groups are held (their
+    ids cannot be reused while a mark may name them)."""
+
+    __slots__ = ("groups", "counted", "skipped")
+
+    def __init__(self, groups):
+        self.groups = groups
+        self.counted, self.skipped = object(), object()
+
+
+_zero_count_contexts = {}
+_zero_count_lock = threading.Lock()
+
+
+def _zero_count_context(tp_group, expert_tp_group, with_expert_tp):
+    key = (id(tp_group), id(expert_tp_group), with_expert_tp)
+    context = _zero_count_contexts.get(key)
+    if context is None or context.groups != (tp_group, expert_tp_group, with_expert_tp):
+        with _zero_count_lock:
+            context = _zero_count_contexts[key] = _ZeroCountContext(
+                (tp_group, expert_tp_group, with_expert_tp))
+    return context
+
+
 def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
     home = sys.modules[original.__module__]
     gtp_filter = getattr(home, "param_is_not_gtp_duplicate", None) if with_expert_tp else None
 
-    def select(params, attr, tp_group, expert_tp_group):
-        selected = []
+    def counted(param, tp_group, expert_tp_group):
+        """The installed version's own filters (shared params, TP duplicates):
+        they read attributes Megatron sets when it builds the model, and the
+        groups' ranks."""
+        if not home.param_is_not_shared(param):
+            return False
+        if with_expert_tp:
+            if not home.param_is_not_tensor_parallel_duplicate(
+                    param, tp_group=tp_group, expert_tp_group=expert_tp_group):
+                return False
+            return gtp_filter is None or bool(gtp_filter(param))
+        return bool(home.param_is_not_tensor_parallel_duplicate(param, tp_group=tp_group))
+
+    def mark(params, context, tp_group, expert_tp_group):
+        """Evaluates the filters once per param and marks each; a reason when
+        leanstep cannot take these params (Megatron-FSDP params are never marked)."""
+        if any(getattr(p, "__fsdp_param__", False) for p in params):
+            return "megatron_fsdp"
         for param in params:
-            grad = getattr(param, attr, None)
-            if getattr(param, "__fsdp_param__", False) and grad is not None:
-                return None, "megatron_fsdp"
-            if grad is None:
-                continue
-            # The installed version's own filters (shared params, TP duplicates).
-            if not home.param_is_not_shared(param):
-                continue
-            if with_expert_tp:
-                if not home.param_is_not_tensor_parallel_duplicate(
-                        param, tp_group=tp_group, expert_tp_group=expert_tp_group):
-                    continue
-                if gtp_filter is not None and not gtp_filter(param):
-                    continue
-            elif not home.param_is_not_tensor_parallel_duplicate(param, tp_group=tp_group):
-                continue
-            selected.append(grad)
-        return selected, None
+            if vars(param).get(ZERO_COUNT_FLAG) not in (context.counted, context.skipped):
+                vars(param)[ZERO_COUNT_FLAG] = context.counted if counted(
+                    param, tp_group, expert_tp_group) else context.skipped
+        return None
+
+    def select(params, attr, tp_group, expert_tp_group):
+        """(grads to count, their key or None, reason)."""
+        context = _zero_count_context(tp_group, expert_tp_group, with_expert_tp)
+        keyed = grads_and_key(params, attr, ZERO_COUNT_FLAG, context.counted, context.skipped)
+        if keyed is False:  # some param not marked under this context yet
+            reason = mark(params, context, tp_group, expert_tp_group)
+            if reason is not None:
+                return None, None, reason
+            keyed = grads_and_key(params, attr, ZERO_COUNT_FLAG, context.counted,
+                                  context.skipped)
+        if keyed is not None:
+            grads, hash_, key = keyed
+            return grads, (hash_, key), None
+        # Some grad without DLPack's exchange table (meta): the marks, in Python.
+        grads = [g for g in (getattr(p, attr, None) for p in params
+                             if vars(p).get(ZERO_COUNT_FLAG) is context.counted)
+                 if g is not None]
+        return grads, None, None
 
     def run(params, group, attr, tp_group, expert_tp_group, call_original):
         if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return call_original()
-        selected, reason = select(params, attr, tp_group, expert_tp_group)
+        selected, key, reason = select(params, attr, tp_group, expert_tp_group)
         plan = None
         if reason is None:
-            plan, reason = plans.get(selected)
+            plan, reason = plans.get(selected, key=key)
         if reason is not None:
             _patching.count(spec.name, reason=reason)
             return call_original()
