@@ -158,6 +158,7 @@ demo-cpp: build
 bench: build python
 	$(BUILD)/release/leanstep bench grad
 	$(PY) bench/peers.py
+	$(PY) bench/host_overhead.py --json
 
 clean:
 	rm -rf $(BUILD)/release $(BUILD)/debug $(BUILD)/asan $(BUILD)/tsan

@@ -51,6 +51,9 @@ class PlanCache:
     re-pointed."""
 
     def __init__(self, size=8):
+        #: The backend plans are built for: None chooses from the grads' device;
+        #: "torch" / "triton" force one (tests and benchmarks only).
+        self.backend = None
         self._size = size
         self._by_key = {}
         self._order = []
@@ -82,7 +85,7 @@ class PlanCache:
         return plan, reason
 
     def _get(self, grads, key):
-        dict_key, exact = key
+        dict_key, exact = (key[0], self.backend), key[1]
         with self._lock:
             entry = self._by_key.get(dict_key)
         if entry is not None and entry[0] == exact:  # the bytes compared: never a stale plan
@@ -105,8 +108,7 @@ class PlanCache:
         with self._lock:
             return len(self._by_key)
 
-    @staticmethod
-    def _build(grads):
+    def _build(self, grads):
         from .._grad import GradPlan
 
         for g in grads:
@@ -118,7 +120,7 @@ class PlanCache:
             return None, "mixed_devices"
         if grads and _backend.device_usable(grads[0].device) is not None:
             return None, "device_unusable"
-        return GradPlan(grads, like=_EMPTY_LIKE), None
+        return GradPlan(grads, like=_EMPTY_LIKE, backend=self.backend), None
 
     def clear(self):
         with self._lock:

@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""leanstep's host time per call at the sizes of a real step, against its
+peers, side by side in one process, one thread.
+
+    python bench/host_overhead.py [--quick] [--only rmsnorm,moe,grad] [--json]
+
+At these sizes the kernels are small: what a call costs is mostly host time,
+on an accelerator all of it. Cases:
+
+- RMSNorm, frozen weight, bf16: [128, 256] (the main job's shape) forward +
+  backward and forward under no_grad; [8192, 2048] forward + backward (the
+  kernel's own speed). Peers: torch.nn.RMSNorm, F.rms_norm.
+- MoE permute + unpermute, forward + backward, bf16: 128 tokens, H 256, 8
+  experts, top-2 (the main job) and 4096 tokens, H 2048, 16 experts, top-8.
+  Peer: Megatron-Core's moe_utils.permute / unpermute.
+- The grad functions over 3168 fresh views (16 fp32 elements each) of one
+  buffer, a fresh list of fresh view objects per call as Megatron's
+  distributed optimizer builds them (made outside the timer):
+  get_grad_norm_fp32, clip_grad_by_total_norm_fp32, count_zeros_fp32 (Megatron-
+  Core's own, no TE or apex, against the patched ones on the CPU kernels and on
+  the torch-op backend), and torch.nn.utils.clip_grad_norm_(foreach=True).
+
+Timing: rounds; in each round every variant of a case runs a block of calls
+(order rotated per round), and the block's median is that round's time. The
+ratio peer / leanstep is the geometric mean over rounds of the per-round
+ratios, with a 95% interval from a bootstrap over rounds (the rounds are the
+independent units: calls within a block share the machine's state).
+
+Prints a table, then with --json one JSON line per row: {bench, case,
+variant, median_us, x_peer, x_peer_low, x_peer_high, rounds}.
+"""
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import random
+import socket
+import statistics
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+import torch  # noqa: E402
+
+import leanstep  # noqa: E402
+import leanstep.megatron as lm  # noqa: E402
+import leanstep.megatron.cpu as mcpu  # noqa: E402
+import leanstep.torch as lt  # noqa: E402
+from leanstep.megatron import grad as lm_grad  # noqa: E402
+
+
+def measure(variants, rounds, calls, setup=None):
+    """{name: [per-round median seconds]} of `variants` ({name: fn}): each
+    round runs every variant `calls` times, the order rotated per round.
+    `setup(name)` runs before each call, outside the timer; its result is
+    passed to the variant."""
+    names = list(variants)
+    out = {name: [] for name in names}
+    for name in names:  # warm-up: caches, allocator, decisions
+        for _ in range(3):
+            variants[name](setup(name) if setup else None)
+    # No garbage collection inside a timed call (as Megatron's --manual-gc): a
+    # collection would land in whichever call crosses the threshold. The
+    # setups' garbage is collected between rounds.
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                times = []
+                for _ in range(calls):
+                    arg = setup(name) if setup else None
+                    t0 = time.perf_counter()
+                    variants[name](arg)
+                    times.append(time.perf_counter() - t0)
+                    del arg
+                out[name].append(statistics.median(times))
+            gc.collect()
+    finally:
+        gc.enable()
+    return out
+
+
+def ratio_interval(peer, ours, seed=0, resamples=2000):
+    """(geometric mean of peer/ours over rounds, 2.5%, 97.5% bootstrap bounds)."""
+    logs = [math.log(p / o) for p, o in zip(peer, ours)]
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+    return (math.exp(statistics.fmean(logs)), math.exp(means[int(0.025 * resamples)]),
+            math.exp(means[int(0.975 * resamples) - 1]))
+
+
+class Table:
+    def __init__(self):
+        self.rows = []
+
+    def case(self, bench, case, results, peer):
+        """Rows of one case: every variant's median, and peer / variant."""
+        for name, times in results.items():
+            row = {"bench": bench, "case": case, "variant": name,
+                   "median_us": round(statistics.median(times) * 1e6, 2), "rounds": len(times)}
+            if name != peer:
+                x, low, high = ratio_interval(results[peer], times)
+                row.update(x_peer=round(x, 3), x_peer_low=round(low, 3),
+                           x_peer_high=round(high, 3), peer=peer)
+            self.rows.append(row)
+            print(f"  {bench:8s} {case:44s} {name:40s} {row['median_us']:12.1f} us"
+                  + (f"  x{row['x_peer']:.2f} [{row['x_peer_low']:.2f}, {row['x_peer_high']:.2f}]"
+                     if "x_peer" in row else "  (peer)"), file=sys.stderr, flush=True)
+
+    def format(self):
+        lines = [f"{'bench':8s} {'case':44s} {'variant':40s} {'median us':>12s} "
+                 f"{'peer / this [95% interval]':>30s}"]
+        lines.append("-" * len(lines[0]))
+        for r in self.rows:
+            ratio = (f"{r['x_peer']:8.2f} [{r['x_peer_low']:.2f}, {r['x_peer_high']:.2f}]"
+                     if "x_peer" in r else "      (peer)")
+            lines.append(f"{r['bench']:8s} {r['case']:44s} {r['variant']:40s} "
+                         f"{r['median_us']:12.1f} {ratio:>30s}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+
+def bench_rmsnorm(table, args):
+    shapes = [((128, 256), True), ((8192, 2048), False)]
+    for shape, small in shapes:
+        rounds, calls = (args.rounds, 50 if small else 2) if not args.quick else (3, 5 if small else 1)
+        width = shape[-1]
+        x = torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(*shape, dtype=torch.bfloat16)
+        peer = torch.nn.RMSNorm(width, eps=1e-6, dtype=torch.bfloat16).requires_grad_(False)
+        ours = lt.RMSNorm(width, eps=1e-6, dtype=torch.bfloat16).requires_grad_(False)
+        weight = peer.weight.detach()
+
+        def fwd_bwd(module):
+            def run(_):
+                x.grad = None
+                module(x).backward(dy)
+            return run
+
+        def functional(_):
+            x.grad = None
+            torch.nn.functional.rms_norm(x, [width], weight, 1e-6).backward(dy)
+
+        results = measure({"torch.nn.RMSNorm": fwd_bwd(peer), "F.rms_norm": functional,
+                           "leanstep.torch.RMSNorm": fwd_bwd(ours)}, rounds, calls)
+        table.case("rmsnorm", f"frozen fwd+bwd {list(shape)} bf16", results, "torch.nn.RMSNorm")
+        if small:
+            def no_grad(module):
+                def run(_):
+                    with torch.no_grad():
+                        module(x)
+                return run
+
+            results = measure({"torch.nn.RMSNorm": no_grad(peer),
+                               "leanstep.torch.RMSNorm": no_grad(ours)}, rounds, calls)
+            table.case("rmsnorm", f"forward no_grad {list(shape)} bf16", results,
+                       "torch.nn.RMSNorm")
+
+
+# ---------------------------------------------------------------- MoE
+
+
+def bench_moe(table, args):
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    cases = [(128, 256, 8, 2, True), (4096, 2048, 16, 8, False)]
+    for tokens_n, hidden, experts, topk, small in cases:
+        rounds, calls = (args.rounds, 20 if small else 1) if not args.quick else (3, 3 if small else 1)
+        if not small and args.quick:
+            continue
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randn(tokens_n, hidden, dtype=torch.bfloat16, generator=g)
+        tokens.requires_grad_(True)
+        scores = torch.rand(tokens_n, experts, generator=g)
+        routing_map = torch.zeros(tokens_n, experts, dtype=torch.bool).scatter_(
+            1, scores.topk(topk, dim=1).indices, True)
+        probs = torch.where(routing_map, scores, 0.0).to(torch.bfloat16).requires_grad_(True)
+        num_out = int(routing_map.sum())
+        dout = torch.randn(tokens_n, hidden, dtype=torch.bfloat16, generator=g)
+
+        def megatron(_):
+            permuted, _, idx = moe_utils.permute(tokens, routing_map, probs=probs,
+                                                 num_out_tokens=num_out)
+            moe_utils.unpermute(permuted, idx, tokens.shape, probs=probs,
+                                routing_map=routing_map).backward(dout)
+
+        def leanstep_(_):
+            permuted, _, idx = lt.permute(tokens, routing_map, probs, num_out)
+            lt.unpermute(permuted, idx, tokens.shape, probs, routing_map).backward(dout)
+
+        results = measure({"megatron moe_utils": megatron, "leanstep.torch": leanstep_},
+                          rounds, calls)
+        table.case("moe", f"permute+unpermute fwd+bwd T{tokens_n} H{hidden} E{experts} "
+                   f"top{topk}", results, "megatron moe_utils")
+
+
+# ---------------------------------------------------------------- grad functions
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    if torch.distributed.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def bench_grad(table, args):
+    import megatron.core.optimizer.clip_grads as clip_grads
+    from megatron.core import parallel_state
+
+    views_n, numel = 3168, 16
+    rounds, calls = (args.rounds, 5) if not args.quick else (3, 2)
+    names = ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32")
+    lm.uninstall()
+    original = {name: getattr(clip_grads, name) for name in names}
+    lm.install(list(names))
+    patched = {name: getattr(clip_grads, name) for name in names}
+    buf = torch.randn(views_n * numel)
+    params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(views_n)]
+
+    def fresh_views(_name=None):
+        views = [buf[i * numel:(i + 1) * numel] for i in range(views_n)]
+        for p, v in zip(params, views):
+            p.grad = v
+        return views
+
+    def with_backend(fn, backend):
+        def run(views):
+            lm_grad.plans.backend = backend
+            try:
+                return fn(views)
+            finally:
+                lm_grad.plans.backend = None
+        return run
+
+    with one_rank_group(), mcpu.megatron_on_cpu():
+        parallel_state.initialize_model_parallel(1, 1)
+        group = parallel_state.get_data_parallel_group()
+        try:
+            calls_of = {
+                "get_grad_norm_fp32": lambda f: (lambda views: f(views)),
+                # a norm far above max_norm: every grad is scaled
+                "clip_grad_by_total_norm_fp32": lambda f: (lambda views: f(params, 1.0, 1e9)),
+                "count_zeros_fp32": lambda f: (lambda views: f(params, group)),
+            }
+            for name in names:
+                variants = {
+                    "megatron (no TE/apex)": calls_of[name](original[name]),
+                    "leanstep patch, CPU kernels": calls_of[name](patched[name]),
+                    "leanstep patch, torch-op backend": with_backend(calls_of[name](patched[name]),
+                                                                     "torch"),
+                }
+                results = measure(variants, rounds, calls, setup=fresh_views)
+                table.case("grad", f"{name} 3168 fresh views", results, "megatron (no TE/apex)")
+
+            def torch_clip(_):
+                torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+
+            def leanstep_clip(views):
+                patched["clip_grad_by_total_norm_fp32"](
+                    params, 1.0, patched["get_grad_norm_fp32"](views))
+
+            results = measure({"torch clip_grad_norm_(foreach)": torch_clip,
+                               "leanstep norm + clip (patched)": leanstep_clip},
+                              rounds, calls, setup=fresh_views)
+            table.case("grad", "norm + clip 3168 fresh views", results,
+                       "torch clip_grad_norm_(foreach)")
+        finally:
+            parallel_state.destroy_model_parallel()
+            lm.uninstall()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
+    ap.add_argument("--rounds", type=int, default=15, help="rounds per case (default 15)")
+    ap.add_argument("--only", default="rmsnorm,moe,grad", help="comma-separated benches")
+    ap.add_argument("--json", action="store_true", help="JSON lines after the table")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    leanstep.set_num_threads(1)
+    table = Table()
+    benches = {"rmsnorm": bench_rmsnorm, "moe": bench_moe, "grad": bench_grad}
+    for name in args.only.split(","):
+        if name not in benches:
+            ap.error(f"--only: unknown bench {name!r} (choose from {', '.join(benches)})")
+        benches[name](table, args)
+    print(table.format())
+    if args.json:
+        for row in table.rows:
+            print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
