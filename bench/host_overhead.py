@@ -37,7 +37,6 @@ import json
 import math
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -209,15 +208,13 @@ def bench_moe(table, args):
 
 @contextlib.contextmanager
 def one_rank_group():
+    """bench/peers.py's one-rank gloo group, destroyed afterwards."""
     if torch.distributed.is_initialized():
         yield
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    from peers import init_process_group  # this script's folder is on sys.path
+
+    init_process_group()
     try:
         yield
     finally:

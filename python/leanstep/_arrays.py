@@ -111,18 +111,27 @@ class Native:
             return target
 
         def call(*args, **kwargs):
-            torch = _exporter()
-            if torch is None:
-                return target(*args, **kwargs)
-            t, p = torch.Tensor, torch.nn.Parameter
             try:
-                return target(*[_export(a, t, p) for a in args],
-                              **{k: _export(v, t, p) for k, v in kwargs.items()})
+                # The extension takes torch tensors and Parameters through DLPack's C
+                # exchange table (no per-argument Python work here), anything else
+                # through nanobind's import.
+                return target(*args, **kwargs)
             except TypeError:
-                # No overload took the arguments. A capsule is used up by the first
-                # overload that imports it, so the next overloads were not really
-                # tried: resolve again with the arrays themselves (and their names
-                # in the message, should none match).
+                torch = _exporter()
+                if torch is None:
+                    raise
+            # No overload took the arguments: a tensor without the exchange table
+            # (an older torch) or one it refuses (a negated view: _export says why).
+            # Again with torch's C exporter's capsules.
+            t, p = torch.Tensor, torch.nn.Parameter
+            exported_args = [_export(a, t, p) for a in args]
+            exported_kwargs = {k: _export(v, t, p) for k, v in kwargs.items()}
+            try:
+                return target(*exported_args, **exported_kwargs)
+            except TypeError:
+                # A capsule is used up by the first overload that imports it, so the
+                # next overloads were not really tried: resolve again with the arrays
+                # themselves (and their names in the message, should none match).
                 return target(*args, **kwargs)
 
         call.__name__ = call.__qualname__ = name

@@ -15,7 +15,6 @@
 
 #include "arrays.h"
 #include "bindings.h"
-#include "exchange.h"
 
 namespace leanstep::py {
 namespace {
@@ -188,10 +187,10 @@ void bind_rmsnorm(nb::module_& m) {
   // no feature set (the caller checked them).
   m.def(
       "rmsnorm_forward_lean",
-      [](nb::handle x, nb::handle gamma, nb::handle y, nb::handle rstd, double eps,
-         bool zero_centered_gamma, bool cast_then_scale, bool weight_requires_grad) {
-        const Tensor xt = tensor_from(x, "x"), gt = tensor_from(gamma, "weight");
-        const Tensor yt = tensor_from(y, "y"), rt = tensor_from(rstd, "rstd");
+      [](const InArray& x, const InArray& gamma, const OutArray& y, const OutArray& rstd,
+         double eps, bool zero_centered_gamma, bool cast_then_scale, bool weight_requires_grad) {
+        const Tensor xt = to_tensor(x, "x"), gt = to_tensor(gamma, "weight");
+        const Tensor yt = to_tensor(y, "y"), rt = to_tensor(rstd, "rstd");
         rmsnorm::Options options;
         options.eps = eps;
         options.zero_centered_gamma = zero_centered_gamma;
@@ -207,13 +206,12 @@ void bind_rmsnorm(nb::module_& m) {
       nb::arg("weight_requires_grad"));
   m.def(
       "rmsnorm_backward_lean",
-      [](nb::handle dy, nb::handle x, nb::handle rstd, nb::handle gamma, nb::handle dx,
-         nb::handle dgamma, bool zero_centered_gamma) {
-        const Tensor dyt = tensor_from(dy, "dy"), xt = tensor_from(x, "x");
-        const Tensor rt = tensor_from(rstd, "rstd"), gt = tensor_from(gamma, "weight");
-        const Tensor dxt = tensor_from(dx, "dx");
-        std::optional<Tensor> dgt;
-        if (!dgamma.is_none()) dgt = tensor_from(dgamma, "dweight");
+      [](const InArray& dy, const InArray& x, const InArray& rstd, const InArray& gamma,
+         const OutArray& dx, const std::optional<OutArray>& dgamma, bool zero_centered_gamma) {
+        const Tensor dyt = to_tensor(dy, "dy"), xt = to_tensor(x, "x");
+        const Tensor rt = to_tensor(rstd, "rstd"), gt = to_tensor(gamma, "weight");
+        const Tensor dxt = to_tensor(dx, "dx");
+        const std::optional<Tensor> dgt = to_tensor(dgamma, "dweight");
         rmsnorm::Options options;
         options.eps = 0.0;  // eps enters through rstd, which the forward saved
         options.zero_centered_gamma = zero_centered_gamma;

@@ -5,8 +5,6 @@
 // collisions) at tens of nanoseconds a view.
 #include "exchange.h"
 
-#include "arrays.h"
-
 #include <cstring>
 #include <string>
 #include <utility>
@@ -26,7 +24,19 @@ std::vector<std::pair<PyTypeObject*, const ExchangeApi*>>& type_cache() {
   return *cache;
 }
 
+// Whether `type` is torch.Tensor or torch.nn.Parameter themselves: the types
+// whose objects always own (a view of) plain memory.
+bool plain_torch_type(PyTypeObject* type) {
+  nb::handle t(reinterpret_cast<PyObject*>(type));
+  if (!nb::hasattr(t, "__module__") || !nb::hasattr(t, "__qualname__")) return false;
+  const std::string module = nb::cast<std::string>(nb::str(t.attr("__module__")));
+  const std::string name = nb::cast<std::string>(nb::str(t.attr("__qualname__")));
+  return (module == "torch" && name == "Tensor") ||
+         (module == "torch.nn.parameter" && name == "Parameter");
+}
+
 const ExchangeApi* lookup(PyTypeObject* type) {
+  if (!plain_torch_type(type)) return nullptr;
   PyObject* capsule = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type),
                                              "__dlpack_c_exchange_api__");
   if (capsule == nullptr) {
@@ -172,19 +182,23 @@ const ExchangeApi* exchange_api(PyObject* obj) {
   return api;
 }
 
-Tensor tensor_from(nb::handle obj, std::string_view arg) {
-  const ExchangeApi* api = exchange_api(obj.ptr());
-  if (api != nullptr) {
-    DLTensor t;
-    if (api->dltensor_from_py_object_no_sync(obj.ptr(), &t) != 0) throw nb::python_error();
-    return Tensor::from_dlpack(t, arg);
+ExchangeView exchange_view(PyObject* obj, DLTensor* out) {
+  const ExchangeApi* api = exchange_api(obj);
+  if (api == nullptr) return ExchangeView::kNone;
+  static PyObject* const is_neg = PyUnicode_InternFromString("is_neg");
+  PyObject* negated = PyObject_CallMethodNoArgs(obj, is_neg);
+  if (negated == nullptr) {
+    PyErr_Clear();
+    return ExchangeView::kRefused;
   }
-  InArray array;
-  if (!nb::try_cast(obj, array))
-    throw_arg_error("leanstep", arg,
-                    "must be a tensor or DLPack array (got " +
-                        std::string(nb::type_name(obj.type()).c_str()) + ")");
-  return to_tensor(array, arg);
+  const bool refuse = negated != Py_False;
+  Py_DECREF(negated);
+  if (refuse) return ExchangeView::kRefused;
+  if (api->dltensor_from_py_object_no_sync(obj, out) != 0) {
+    PyErr_Clear();
+    return ExchangeView::kRefused;
+  }
+  return ExchangeView::kViewed;
 }
 
 void bind_exchange(nb::module_& m) {

@@ -6,12 +6,9 @@
 
 #include <cstdint>
 
-#include <string_view>
-
 #include <dlpack/dlpack.h>
 #include <nanobind/nanobind.h>
 
-#include <leanstep/core.h>
 
 namespace leanstep::py {
 
@@ -45,11 +42,19 @@ struct ExchangeApi {
 // non-owning export).
 const ExchangeApi* exchange_api(PyObject* obj);
 
-// A leanstep view of a torch tensor (or any object whose type has the
-// exchange table; else any DLPack array, through nanobind's import), valid
-// while the object lives. `arg` names it in errors. One C call per tensor: no
-// capsule, no Python call. The hot entry points take tensors this way.
-Tensor tensor_from(nb::handle obj, std::string_view arg);
+enum class ExchangeView {
+  kViewed,   // `out` describes the object
+  kNone,     // no exchange table for this object (import it some other way)
+  kRefused,  // a torch tensor that must not be handed over as memory at all
+};
+
+// A non-owning DLTensor of `obj`, valid while it lives, through its type's
+// exchange table: torch.Tensor and torch.nn.Parameter only (a subclass may
+// hold no memory of its own: DTensor, fake and functional tensors). A tensor
+// with the negative bit set (a lazy negation: DLPack would describe the
+// un-negated memory, a silently wrong sign) is refused. No Python error is
+// left set.
+ExchangeView exchange_view(PyObject* obj, DLTensor* out);
 
 void bind_exchange(nb::module_& m);
 

@@ -50,6 +50,58 @@ def one_rank_gloo():
         torch.distributed.destroy_process_group()
 
 
+def overflow_at(steps):
+    """A main-job trainer's ``before_optimizer_step`` hook: at each of `steps`, an
+    inf in one trainable grad after the DDP reduction (an fp16 overflow)."""
+    def before_optimizer_step(trainer, step):
+        if step in steps:
+            for p in trainer.model.module.parameters():
+                if p.requires_grad:
+                    p.main_grad.view(-1)[0] = float("inf")
+                    return
+    return before_optimizer_step
+
+
+@contextlib.contextmanager
+def megatron_cpu_session():
+    """A one-rank gloo group and Megatron on the CPU for a test module; no
+    Megatron parallel groups are left to the next module."""
+    from megatron.core import parallel_state
+
+    from leanstep.megatron import cpu as mcpu
+
+    with one_rank_gloo(), mcpu.megatron_on_cpu():
+        try:
+            yield
+        finally:
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+
+
+#: The main job's model at test size (2 MoE layers, 4 experts, EP 1).
+MAIN_JOB_SMALL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                  "--experts", "4", "--moe-ffn", "64", "--seq", "32", "--micro-batch", "2",
+                  "--ep", "1"]
+
+
+@contextlib.contextmanager
+def megatron_installed():
+    """Every leanstep.megatron patch installed, call counts from zero, the MoE
+    patches on leanstep's CPU kernels as on a device; all undone afterwards."""
+    import leanstep.megatron as lm
+    from leanstep.megatron import moe as lm_moe
+
+    lm.install()
+    lm.reset_call_counts()
+    previous = lm_moe.cpu_kernels(True)
+    try:
+        yield
+    finally:
+        lm_moe.cpu_kernels(previous)
+        leanstep.set_preset("all")
+        lm.uninstall()
+
+
 def to_f64(t):
     """Exact float64 copy of a torch tensor or NumPy array."""
     if isinstance(t, torch.Tensor):

@@ -154,8 +154,11 @@ def test_the_lean_entry_points_check_their_arguments():
     r = torch.empty(4)
     with pytest.raises(leanstep.Error, match="argument 'x' must be contiguous"):
         _leanstep.rmsnorm_forward_lean(x[:, :4], w[:4], y[:, :4], r, 1e-6, False, False, False)
-    with pytest.raises(leanstep.Error, match="argument 'x' must be a tensor or DLPack array"):
+    with pytest.raises(TypeError, match="incompatible function arguments"):
         _leanstep.rmsnorm_forward_lean("x", w, y, r, 1e-6, False, False, False)
+    # A negated view is refused where it is handed over (its memory is not its values).
+    with pytest.raises(TypeError):
+        _leanstep.rmsnorm_forward_lean(torch._neg_view(x), w, y, r, 1e-6, False, False, False)
 
 
 # ---------------------------------------------------------------- grad-list keys

@@ -26,40 +26,27 @@ import leanstep  # noqa: E402
 import leanstep.megatron as lm  # noqa: E402
 from leanstep.audit import DeviceMemory  # noqa: E402
 from leanstep.megatron import cpu as mcpu  # noqa: E402
-from leanstep.megatron import moe as lm_moe  # noqa: E402
 from leanstep.megatron import step as lstep  # noqa: E402
 from leanstep.megatron import train as main_job  # noqa: E402
 from megatron.core.optimizer.grad_scaler import DynamicGradScaler  # noqa: E402
 
-from helpers import one_rank_gloo  # noqa: E402
+from helpers import (MAIN_JOB_SMALL, megatron_cpu_session, megatron_installed,  # noqa: E402
+                     overflow_at)
 
 # The data is the corpus of the source tree or of the installed package.
-SMALL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--experts", "4",
-         "--moe-ffn", "64", "--seq", "32", "--micro-batch", "2", "--ep", "1"]
+SMALL = MAIN_JOB_SMALL
 
 
 @pytest.fixture(scope="module", autouse=True)
 def gloo_and_cpu():
-    from megatron.core import parallel_state
-
-    with one_rank_gloo(), mcpu.megatron_on_cpu():
-        try:
-            yield
-        finally:  # the trainers initialise Megatron's groups: none is left to the next module
-            if parallel_state.model_parallel_is_initialized():
-                parallel_state.destroy_model_parallel()
+    with megatron_cpu_session():
+        yield
 
 
 @pytest.fixture
 def installed():
-    lm.install()
-    previous = lm_moe.cpu_kernels(True)  # the MoE patches run on CPU tensors as on a device
-    try:
+    with megatron_installed():
         yield
-    finally:
-        lm_moe.cpu_kernels(previous)
-        leanstep.set_preset("all")
-        lm.uninstall()
 
 
 # ---------------------------------------------------------------- the loss scale
@@ -221,16 +208,6 @@ def _trainer(dtype, *extra):
     return main_job.Trainer(args, 1, 0, 1)
 
 
-def _inject(steps):
-    def before_optimizer_step(trainer, step):
-        if step in steps:  # an overflow in one grad, after the DDP reduction
-            for p in trainer.model.module.parameters():
-                if p.requires_grad:
-                    p.main_grad.view(-1)[0] = math.inf
-                    return
-    return before_optimizer_step
-
-
 def _optimizer_state(trainer):
     """Every sub-optimizer's main params, moments and step counters, and loss scale."""
     out = []
@@ -259,7 +236,7 @@ def _run(dtype, preset, steps, injected=(), megatron_step=False):
         lm.uninstall(["optimizer_step", "chained_optimizer_step"])
     trainer = _trainer(dtype, "--initial-loss-scale", "1024", "--loss-scale-window", "3",
                        "--hysteresis", "2").build()
-    trainer.before_optimizer_step = _inject(injected)
+    trainer.before_optimizer_step = overflow_at(injected)
     trajectory = []
     for step in range(steps):
         done = trainer.step(step)
@@ -328,7 +305,7 @@ def _device_reads(dtype, preset, steps=3):
     with memory:
         trainer = _trainer(dtype, "--initial-loss-scale", "1024").build()
         if dtype == "fp16":
-            trainer.before_optimizer_step = _inject({steps - 1})  # the audited step overflows
+            trainer.before_optimizer_step = overflow_at({steps - 1})  # the audited step overflows
         for step in range(steps - 1):
             trainer.step(step)
         with leanstep.audit(device_memory=memory, stacklevel_filter="leanstep/megatron/cpu.py") as a:
