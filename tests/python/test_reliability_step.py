@@ -145,6 +145,12 @@ def test_the_opt_in_returns_device_values_and_reads_nothing(installed):
     assert isinstance(ok, lstep.DeviceBool) and isinstance(norm, torch.Tensor)
     assert a.num_host_reads == 0, a.format_table()
     assert "is True" in lm.report()["inherent_reads"]["the training loop"]
+    # The process-wide opt-in (the ms-swift plugin's) is taken back by uninstall.
+    lstep.keep_results_on_device(None, True)
+    assert lstep._results_on_device(object.__new__(type("Opt", (), {})))
+    lm.uninstall(STEP_PATCHES)
+    assert not lstep._results_on_device(object.__new__(type("Opt", (), {})))
+    lm.install(STEP_PATCHES)
 
 
 # ---------------------------------------------------------------- 2. fused inner AdamW

@@ -84,6 +84,7 @@ def uninstall(patches=None):
     _patching.uninstall(PATCHES, patches)
     if names is None or {spec.name for spec in _step_patches.SPECS} & set(names):
         _step_patches.untrack_all()  # the scalers get Megatron's class back
+        _step_patches.keep_results_on_device(None, False)  # and the process its default
     if not _patching.installed():
         _grad_patches.plans.clear()
     _ddp_patches.check_pending(queued)
