@@ -486,6 +486,31 @@ def test_masked_adam_with_one_shared_step_counter_as_megatron_loads_it(rng, torc
     assert float(ours.state[our_params[0]]["step"]) == 1 + 3 * len(shapes)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_resumed_distributed_optimizer_steps_as_megatrons_resumed_run(installed):
+    # The main job's optimizer is Megatron's DistributedOptimizer: its state_dict and
+    # load_state_dict as a resume does them (no TE or apex: one shared step tensor).
+    def run(megatron_step):
+        if megatron_step:
+            lm.uninstall(STEP_PATCHES)
+        try:
+            trainer = _trainer("fp16")
+            trainer.before_optimizer_step = overflow_at({3})
+            for step in range(2):
+                trainer.step(step)
+            trainer.optimizer.load_state_dict(trainer.optimizer.state_dict())
+            for step in range(2, 6):
+                trainer.step(step)
+            return _state(trainer)
+        finally:
+            if megatron_step:
+                lm.install(STEP_PATCHES)
+
+    ours, theirs = run(False), run(True)
+    assert len(ours) == len(theirs)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
 # ---------------------------------------------------------------- 9. the scaler after uninstall
 
 
