@@ -1,6 +1,7 @@
 // The inner loop of the fused unpermute, in SIMD.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "leanstep/core.h"
@@ -11,5 +12,21 @@ namespace leanstep::moe::detail {
 // rounded to fp32, then the sum rounded (no fused multiply-add), element by
 // element exactly as the reference's scalar loop, only wider.
 void accumulate_scaled(float* acc, const void* src, DType dtype, float prob, int64_t n);
+
+// The dot of unpermute's backward, sum of a[h] * b[h] in double for fp32 or bf16 rows,
+// in one order on every machine: kDotPartials partial sums, partial[j] over h = j
+// (mod kDotPartials) in increasing h, then a pairwise tree ((0+1)+(2+3))+... The SIMD
+// kernel (scale_row_dot) keeps the partial sums in vectors; this is the same order in
+// plain C++ (SVE, whose lanes are known only at run time, and the tests).
+constexpr size_t kDotPartials = 16;
+double dot_f64_reference(const void* a, const void* b, DType dtype, int64_t n);
+// The end of that order: `partial` holds the sums over [0, h); adds the tail [h, n)
+// and reduces the tree.
+double dot_f64_finish(double* partial, const void* a, const void* b, DType dtype, int64_t h, int64_t n);
+
+// One row of unpermute's backward for fp32 or bf16 rows, in one pass: out[h] =
+// cast(dy[h] * prob) (the product rounded to fp32, then once to the dtype) and,
+// with `dot`, the sum of dy[h] * x[h] in double, returned (0 without).
+double scale_row_dot(const void* dy, const void* x, DType dtype, float prob, void* out, int64_t n, bool dot);
 
 }  // namespace leanstep::moe::detail

@@ -45,12 +45,87 @@ void AccumulateScaled(float* HWY_RESTRICT acc, const void* src, int dtype, float
   }
 }
 
+// The sum of a[h] * b[h] in double, in a fixed order whatever the SIMD width: 16
+// partial sums, partial[j] over h = j (mod 16) in increasing h, then a fixed
+// pairwise tree (dot_f64_reference in moe/kernels.h, the same order in plain C++).
+// Each fp32 product is exact in double, so a fused multiply-add rounds as the add
+// alone. Vectors of up to 16 lanes hold the partial sums (2 on AVX-512, 4 on AVX2,
+// 8 on SSE4 and NEON), so the bits do not depend on the target.
+template <DType kT>
+double DotF64T(const void* a, const void* b, int64_t n) {
+#if HWY_HAVE_SCALABLE  // lanes known only at run time: the plain order (no speed needed there)
+  return dot_f64_reference(a, b, kT, n);
+#else
+  using leanstep::simd::HWY_NAMESPACE::LoadAsF32;
+  const hn::CappedTag<double, kDotPartials> dd;
+  const hn::Rebind<float, decltype(dd)> df;
+  constexpr size_t L = hn::MaxLanes(dd);
+  constexpr size_t K = kDotPartials / L;
+  hn::Vec<decltype(dd)> acc[K];
+  for (size_t k = 0; k < K; ++k) acc[k] = hn::Zero(dd);
+  int64_t h = 0;
+  for (; h + static_cast<int64_t>(kDotPartials) <= n; h += kDotPartials)
+    for (size_t k = 0; k < K; ++k) {
+      const int64_t at = h + static_cast<int64_t>(k * L);
+      acc[k] = hn::MulAdd(hn::PromoteTo(dd, LoadAsF32<kT>(df, a, at)), hn::PromoteTo(dd, LoadAsF32<kT>(df, b, at)),
+                          acc[k]);
+    }
+  HWY_ALIGN double partial[kDotPartials];
+  for (size_t k = 0; k < K; ++k) hn::Store(acc[k], dd, partial + k * L);
+  return dot_f64_finish(partial, a, b, kT, h, n);
+#endif
+}
+
+// out = cast(dy * prob) for one fp32 or bf16 row; with `dot`, also returns the sum
+// of dy[h] * x[h] in double (each fp32 product exact in double; the partial sums
+// per double lane, added in a fixed tree: the order depends on the row's length
+// and the SIMD target only).
+template <DType kT>
+double ScaleRowDotT(const void* dy, const void* x, float prob, void* out, int64_t n, bool dot) {
+  using leanstep::simd::HWY_NAMESPACE::LoadAsF32;
+  using leanstep::simd::HWY_NAMESPACE::StoreFromF32;
+  const hn::ScalableTag<float> df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const auto vp = hn::Set(df, prob);
+  int64_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (kT == DType::kBFloat16) {  // two vectors per store: the same bits
+    for (; i + 2 * N <= n; i += 2 * N)
+      leanstep::simd::HWY_NAMESPACE::StoreBF16x2(df, hn::Mul(LoadAsF32<kT>(df, dy, i), vp),
+                                                 hn::Mul(LoadAsF32<kT>(df, dy, i + N), vp),
+                                                 static_cast<uint16_t*>(out) + i);
+  }
+#endif
+  for (; i + N <= n; i += N) StoreFromF32<kT>(df, hn::Mul(LoadAsF32<kT>(df, dy, i), vp), out, i);
+  if (i < n) {  // the tail through the same vector code, zero-padded
+    HWY_ALIGN float tdy[HWY_MAX_BYTES / sizeof(float)] = {};
+    HWY_ALIGN float tout[HWY_MAX_BYTES / sizeof(float)] = {};
+    convert_to_f32(static_cast<const char*>(dy) + i * dtype_size(kT), kT, tdy, n - i);
+    hn::Store(hn::Mul(hn::Load(df, tdy), vp), df, tout);
+    convert_from_f32(tout, static_cast<char*>(out) + i * dtype_size(kT), kT, n - i);
+  }
+  if (!dot) return 0.0;
+  return DotF64T<kT>(dy, x, n);
+}
+
+double ScaleRowDot(const void* dy, const void* x, int dtype, float prob, void* out, int64_t n, bool dot) {
+  return static_cast<DType>(dtype) == DType::kBFloat16
+             ? ScaleRowDotT<DType::kBFloat16>(dy, x, prob, out, n, dot)
+             : ScaleRowDotT<DType::kFloat32>(dy, x, prob, out, n, dot);
+}
+
 }  // namespace leanstep::moe::detail::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 namespace leanstep::moe::detail {
 HWY_EXPORT(AccumulateScaled);
+HWY_EXPORT(ScaleRowDot);
+
+double scale_row_dot(const void* dy, const void* x, DType dtype, float prob, void* out, int64_t n, bool dot) {
+  if (n <= 0) return 0.0;
+  return HWY_DYNAMIC_DISPATCH(ScaleRowDot)(dy, x, static_cast<int>(dtype), prob, out, n, dot);
+}
 
 void accumulate_scaled(float* acc, const void* src, DType dtype, float prob, int64_t n) {
   if (n <= 0) return;

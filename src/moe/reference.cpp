@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "moe/common.h"
+#include "moe/kernels.h"
 
 namespace leanstep::moe::detail {
 
@@ -99,6 +100,32 @@ void unpermute_sort(const UnpermuteProblem& p) {
   convert_from_f32(acc.data(), p.out, p.dtype, p.T * p.H);
 }
 
+namespace {
+
+// An fp32 or bf16 element, exactly, as a double.
+double element(const void* p, DType dtype, int64_t h) {
+  return dtype == DType::kFloat32 ? static_cast<const float*>(p)[h]
+                                  : bf16_to_float(static_cast<const uint16_t*>(p)[h]);
+}
+
+}  // namespace
+
+double dot_f64_finish(double* partial, const void* a, const void* b, DType dtype, int64_t h, int64_t n) {
+  for (size_t j = 0; h < n; ++h, ++j) partial[j] += element(a, dtype, h) * element(b, dtype, h);
+  for (size_t w = 1; w < kDotPartials; w *= 2)
+    for (size_t i = 0; i + w < kDotPartials; i += 2 * w) partial[i] += partial[i + w];
+  return partial[0];
+}
+
+double dot_f64_reference(const void* a, const void* b, DType dtype, int64_t n) {
+  double partial[kDotPartials] = {};
+  int64_t h = 0;
+  for (; h + static_cast<int64_t>(kDotPartials) <= n; h += kDotPartials)
+    for (size_t j = 0; j < kDotPartials; ++j)
+      partial[j] += element(a, dtype, h + static_cast<int64_t>(j)) * element(b, dtype, h + static_cast<int64_t>(j));
+  return dot_f64_finish(partial, a, b, dtype, h, n);
+}
+
 void unpermute_backward_row(const UnpermuteBackwardProblem& p, int64_t i, float* scratch) {
   const size_t elem = dtype_size(p.dtype);
   char* drow = p.dpermuted + static_cast<size_t>(i * p.H) * elem;
@@ -115,6 +142,12 @@ void unpermute_backward_row(const UnpermuteBackwardProblem& p, int64_t i, float*
     return;
   }
   const float prob = p.slot_probs ? p.slot_probs[i] : 1.0f;
+  if (p.dtype == DType::kFloat32 || p.dtype == DType::kBFloat16) {
+    const char* x = p.permuted + static_cast<size_t>(i * p.H) * elem;
+    const double dot = scale_row_dot(dout_row, x, p.dtype, prob, drow, p.H, p.dslot_probs != nullptr);
+    if (p.dslot_probs) p.dslot_probs[i] = dot;
+    return;
+  }
   if (!p.dslot_probs && p.dtype == DType::kFloat32) {
     // fp32 needs no conversion: scale straight into the output row (the same products).
     const float* dy = reinterpret_cast<const float*>(dout_row);
@@ -127,9 +160,7 @@ void unpermute_backward_row(const UnpermuteBackwardProblem& p, int64_t i, float*
   convert_to_f32(dout_row, p.dtype, dy, p.H);
   if (p.dslot_probs) {
     convert_to_f32(p.permuted + static_cast<size_t>(i * p.H) * elem, p.dtype, x, p.H);
-    double dot = 0.0;
-    for (int64_t h = 0; h < p.H; ++h) dot += static_cast<double>(dy[h]) * static_cast<double>(x[h]);
-    p.dslot_probs[i] = dot;
+    p.dslot_probs[i] = dot_f64_reference(dy, x, DType::kFloat32, p.H);  // fp16 widened exactly
   }
   for (int64_t h = 0; h < p.H; ++h) x[h] = dy[h] * prob;
   convert_from_f32(x, drow, p.dtype, p.H);

@@ -92,6 +92,15 @@ void ScaleRowT(const void* x, float r, const float* HWY_RESTRICT g, void* y, int
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const auto vr = hn::Set(d, r);
   int64_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (kT == DType::kBFloat16) {  // two vectors per store (StoreBF16x2): the same bits
+    for (; i + 2 * N <= n; i += 2 * N) {
+      const auto lo = hn::Mul(hn::Mul(LoadF32<kT>(d, x, i), vr), hn::LoadU(d, g + i));
+      const auto hi = hn::Mul(hn::Mul(LoadF32<kT>(d, x, i + N), vr), hn::LoadU(d, g + i + N));
+      leanstep::simd::HWY_NAMESPACE::StoreBF16x2(d, lo, hi, static_cast<uint16_t*>(y) + i);
+    }
+  }
+#endif
   for (; i + N <= n; i += N) StoreF32<kT>(d, hn::Mul(hn::Mul(LoadF32<kT>(d, x, i), vr), hn::LoadU(d, g + i)), y, i);
   if (i < n) {
     HWY_ALIGN float tx[kPad] = {}, tg[kPad] = {}, ty[kPad];
@@ -157,6 +166,15 @@ void DxRowT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r,
     return hn::Mul(vr, hn::NegMulAdd(xhat, vm, hn::Mul(vg, vdy)));
   };
   int64_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (kT == DType::kBFloat16) {  // two vectors per store (StoreBF16x2): the same bits
+    for (; i + 2 * N <= n; i += 2 * N) {
+      const auto lo = step(hn::LoadU(d, g + i), LoadF32<kT>(d, dy, i), LoadF32<kT>(d, x, i));
+      const auto hi = step(hn::LoadU(d, g + i + N), LoadF32<kT>(d, dy, i + N), LoadF32<kT>(d, x, i + N));
+      leanstep::simd::HWY_NAMESPACE::StoreBF16x2(d, lo, hi, static_cast<uint16_t*>(dx) + i);
+    }
+  }
+#endif
   for (; i + N <= n; i += N)
     StoreF32<kT>(d, step(hn::LoadU(d, g + i), LoadF32<kT>(d, dy, i), LoadF32<kT>(d, x, i)), dx, i);
   if (i < n) {

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <random>
 
+#include "hwy/targets.h"
 #include "leanstep/buffer.h"
 #include "leanstep/moe.h"
 #include "moe_util.h"
@@ -392,6 +393,107 @@ TEST(MoeBackward, UnpermuteMatchesFiniteDifferences) {
         const double fd_p = (loss(x, pp) - loss(x, pm)) / (2 * step);
         EXPECT_NEAR(fd_p, predicted_p, 1e-5 * (abs_terms + std::abs(predicted_p)) / step + 1e-6) << "d/dp trial " << trial;
       }
+    }
+}
+
+// Unpermute's backward row at widths around every SIMD width (the vector loop, the
+// zero-padded tail, and a row shorter than one vector), every dtype: dpermuted is the
+// fp32 product dy * prob rounded once more to the dtype (exactly, as the oracle
+// computes it), dprobs the double sum of dy * x rounded once to the probs' dtype.
+// Bound for dprobs: half an ulp of the output dtype at the value, plus the double
+// sum's own error (H products, each exact: under H * 2^-53 of the sum of |terms|).
+TEST(MoeBackward, UnpermuteRowsMatchFloat64OracleAtOddWidths) {
+  std::mt19937_64 rng(test_seed());
+  for (DType dtype : float_dtypes())
+    for (int64_t H : {1, 5, 8, 15, 16, 17, 31, 33, 64, 257}) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " H=" << H);
+      const int64_t T = 9, E = 4, k = 2;
+      Buffer map = random_map(T, E, k, rng);
+      const int64_t N = moe::count_routed(map);
+      const Slots slots = oracle_slots(map, N, false);
+      Buffer indices = index_buffer(slots.token);
+      Buffer x(dtype, {N, H}), dy(dtype, {T, H});
+      fill_normal(x, rng);
+      fill_normal(dy, rng);
+      Buffer probs(dtype, {N});
+      fill_normal(probs, rng);
+      Buffer dx_sort(dtype, {N, H}), dx(dtype, {N, H}), dp_sort(dtype, {N}), dp(dtype, {N});
+      moe::unpermute_backward(dy, x, indices, &probs.view(), nullptr, false, Method::kSort, dx_sort, &dp_sort.view());
+      moe::unpermute_backward(dy, x, indices, &probs.view(), nullptr, false, Method::kFused, dx, &dp.view());
+      EXPECT_TRUE(bitwise_equal(dx_sort, dx));
+      EXPECT_TRUE(bitwise_equal(dp_sort, dp));
+      const double ulp = dtype == DType::kFloat32 ? 0x1p-24 : dtype == DType::kFloat16 ? 0x1p-11 : 0x1p-8;
+      for (int64_t i = 0; i < N; ++i) {
+        const int64_t t = slots.token[static_cast<size_t>(i)];
+        const float prob = static_cast<float>(load_as_double(probs.data(), dtype, i));
+        double sum = 0, abs_terms = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          const double a = load_as_double(dy.data(), dtype, t * H + h), b = load_as_double(x.data(), dtype, i * H + h);
+          sum += a * b;
+          abs_terms += std::abs(a * b);
+          Buffer want(dtype, {1});
+          store_from_double(want.data(), dtype, 0, static_cast<float>(static_cast<float>(a) * prob));
+          ASSERT_EQ(load_as_double(dx.data(), dtype, i * H + h), load_as_double(want.data(), dtype, 0))
+              << "slot " << i << " h " << h;
+        }
+        const double got = load_as_double(dp.data(), dtype, i);
+        EXPECT_LE(std::abs(got - sum), std::abs(sum) * ulp + abs_terms * static_cast<double>(H) * 0x1p-53 + 1e-300)
+            << "slot " << i;
+      }
+    }
+}
+
+// dprobs of unpermute's backward has one order of additions on every SIMD target: 16
+// partial sums over h = j (mod 16) in increasing h, then a pairwise tree (this test's own
+// copy of the order), the double result rounded once to the probs' dtype. Each target
+// this build runs (on aarch64 under qemu: NEON and SVE) gives those bits, so the
+// architectures' digests agree by construction, not by the luck of the seeds.
+TEST(MoeBackward, UnpermuteDprobsHaveOneOrderOnEveryTarget) {
+  std::mt19937_64 rng(test_seed());
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  ASSERT_FALSE(targets.empty());
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16})
+    for (int64_t H : {1, 15, 16, 17, 40, 255}) {
+      const int64_t T = 7, E = 3, k = 2;
+      Buffer map = random_map(T, E, k, rng);
+      const int64_t N = moe::count_routed(map);
+      const Slots slots = oracle_slots(map, N, false);
+      Buffer indices = index_buffer(slots.token);
+      Buffer x(dtype, {N, H}), dy(dtype, {T, H}), probs(dtype, {N});
+      // Powers of two from 2^-30 to 2^30 with random signs: products span 2^120, so
+      // cancellations make the double sum depend on its order (a lane-width order
+      // would give other bits here).
+      std::uniform_int_distribution<int> exponent(-30, 30), sign(0, 1);
+      for (Buffer* b : {&x, &dy})
+        for (int64_t j = 0; j < b->numel(); ++j)
+          store_from_double(b->data(), dtype, j, std::ldexp(sign(rng) ? 1.0 : -1.0, exponent(rng)));
+      fill_normal(probs, rng);
+      if (H > 8 && N > 0) {  // slot 0: products 2^60, 1, -2^60 at h = 0, 1, 8: this order gives 0
+        const int64_t t = slots.token[0];
+        for (int64_t h = 0; h < H; ++h) {
+          const double d = h == 0 ? 0x1p30 : h == 1 ? 1.0 : h == 8 ? -0x1p30 : 0.0;
+          store_from_double(dy.data(), dtype, t * H + h, d);
+          store_from_double(x.data(), dtype, h, h == 8 ? 0x1p30 : std::fabs(d));
+        }
+      }
+      Buffer want(dtype, {N});
+      for (int64_t i = 0; i < N; ++i) {
+        double partial[16] = {};
+        const int64_t t = slots.token[static_cast<size_t>(i)];
+        for (int64_t h = 0; h < H; ++h)
+          partial[h % 16] += load_as_double(dy.data(), dtype, t * H + h) * load_as_double(x.data(), dtype, i * H + h);
+        for (int w = 1; w < 16; w *= 2)
+          for (int j = 0; j + w < 16; j += 2 * w) partial[j] += partial[j + w];
+        store_from_double(want.data(), dtype, i, partial[0]);
+      }
+      for (int64_t target : targets) {
+        SCOPED_TRACE(::testing::Message() << hwy::TargetName(target) << " " << dtype_name(dtype) << " H=" << H);
+        hwy::SetSupportedTargetsForTest(target);
+        Buffer dx(dtype, {N, H}), dp(dtype, {N});
+        moe::unpermute_backward(dy, x, indices, &probs.view(), nullptr, false, Method::kFused, dx, &dp.view());
+        EXPECT_TRUE(bitwise_equal(dp, want));
+      }
+      hwy::SetSupportedTargetsForTest(0);
     }
 }
 
