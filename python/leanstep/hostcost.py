@@ -46,7 +46,9 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import sys
+import time
 from typing import Optional
 
 import leanstep
@@ -225,14 +227,24 @@ def _is_full_report(report: dict) -> bool:
     return isinstance(report.get("ops"), dict)
 
 
-def estimate(report: dict, params: Optional[CostParams] = None) -> dict:
+def estimate(report: dict, params: Optional[CostParams] = None,
+             measured_us: Optional[float] = None) -> dict:
     """Launches, syncs and host time of one audited region.
+
+    ``measured_us``: the region's own host time per call, measured on the CPU
+    where its compute is negligible (:func:`measure_seed_layout`): Python,
+    leanstep's bindings, the framework's dispatch. The launch model prices
+    launches and syncs; the measurement sees the code around them. Each is a
+    lower bound of the host time on a device and they overlap (the dispatch of
+    each launched op is in both), so ``host_us`` is the larger of the two
+    (``model_us`` and ``measured_us`` are returned too).
 
     ``report``: an ``Audit.to_dict()`` (or its JSON), or the main job's
     per-condition summary (``ops``, ``view_ops``, ``syncs``, ``device_reads``
     as numbers), which gives a coarser estimate (one launch per op that is no
     view and no sync; syncs the larger of the syncs and the device reads).
-    Returns ``{launches, syncs, launch_us, sync_us, host_us, by_op, notes}``;
+    Returns ``{launches, syncs, launch_us, sync_us, model_us, measured_us, host_us,
+    by_op, notes}``;
     ``by_op`` lists ``[op, calls, launches]`` for a full report."""
     params = params or CostParams()
     if not isinstance(report, dict):
@@ -253,8 +265,15 @@ def estimate(report: dict, params: Optional[CostParams] = None) -> dict:
                     f"(got keys {sorted(report)})")
     launch_us = launches * params.launch_us
     sync_us = syncs * params.sync_us
+    if measured_us is not None and (isinstance(measured_us, bool) or not isinstance(
+            measured_us, (int, float)) or not math.isfinite(measured_us) or measured_us < 0):
+        raise Error(f"leanstep.hostcost: argument measured_us must be a finite number >= 0 or "
+                    f"None (got {measured_us!r})")
+    model_us = launch_us + sync_us
+    host_us = model_us if measured_us is None else max(model_us, float(measured_us))
     return {"launches": launches, "syncs": syncs, "launch_us": launch_us, "sync_us": sync_us,
-            "host_us": launch_us + sync_us, "by_op": by_op, "notes": notes}
+            "model_us": model_us, "measured_us": measured_us, "host_us": host_us,
+            "by_op": by_op, "notes": notes}
 
 
 def _launches_full(report, params, notes):
@@ -315,16 +334,18 @@ def _syncs_full(report) -> int:
 
 
 def predict(baseline_report: dict, leanstep_report: dict,
-            params: Optional[CostParams] = None) -> dict:
+            params: Optional[CostParams] = None, measured_us=(None, None)) -> dict:
     """Host time per step of a baseline path and leanstep's, and the saving.
 
-    Returns ``{params, baseline, leanstep, saving}``: the first two as
-    :func:`estimate` gives them; ``saving`` the baseline minus leanstep for
-    ``launches``, ``syncs``, ``launch_us``, ``sync_us`` and ``host_us``."""
+    ``measured_us``: (the baseline's, leanstep's) measured host time per call
+    or None (see :func:`estimate`). Returns ``{params, baseline, leanstep,
+    saving}``: the first two as :func:`estimate` gives them; ``saving`` the
+    baseline minus leanstep for ``launches``, ``syncs``, ``launch_us``,
+    ``sync_us``, ``model_us`` and ``host_us``."""
     params = params or CostParams()
-    base = estimate(baseline_report, params)
-    lean = estimate(leanstep_report, params)
-    keys = ("launches", "syncs", "launch_us", "sync_us", "host_us")
+    base = estimate(baseline_report, params, measured_us[0])
+    lean = estimate(leanstep_report, params, measured_us[1])
+    keys = ("launches", "syncs", "launch_us", "sync_us", "model_us", "host_us")
     return {"params": dataclasses.asdict(params), "baseline": base, "leanstep": lean,
             "saving": {k: base[k] - lean[k] for k in keys}}
 
@@ -440,6 +461,46 @@ def audit_seed_layout(paths=None) -> dict:
             "elements": sum(b.numel() for b in buffers), "reports": reports}
 
 
+def measure_seed_layout(paths=None, calls: int = 15) -> dict:
+    """``{name: median microseconds per call}`` of :data:`SEED_PATHS` on the
+    seed's layout at negligible compute: its 3168 grads as one-element views
+    of buffers holding as many grads as the real ones, CPU tensors, one thread.
+    What is left is the host's own work per call (Python, leanstep's
+    bindings, torch's dispatch of every op), which a device does not take
+    away. Grads are refilled with 1 outside the timer (every clip multiplies);
+    leanstep's first call (its plan) is made before."""
+    import torch
+
+    names = list(SEED_PATHS) if paths is None else list(paths)
+    _, real = _seed_grads("meta")  # the layout's counts, no memory
+    bases = []
+    for g in real:
+        base = g._base if g._base is not None else g
+        if not bases or bases[-1][0] is not base:
+            bases.append([base, 0])
+        bases[-1][1] += 1
+    buffers = [torch.ones(n) for _, n in bases]
+    grads = [b[i:i + 1] for b in buffers for i in range(b.numel())]
+    fns = seed_layout_paths(grads)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = {}
+        for name in names:
+            times = []
+            for call in range(calls + 2):  # two warm-up calls
+                for b in buffers:
+                    b.fill_(1.0)
+                start = time.perf_counter()
+                fns[name](1.0)
+                if call >= 2:
+                    times.append(time.perf_counter() - start)
+            out[name] = statistics.median(times) * 1e6
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ---------------------------------------------------------------- the main job's results
 
 def main_job_reports(results: dict) -> list:
@@ -479,27 +540,37 @@ def _params_line(low: CostParams, high: Optional[CostParams]) -> str:
 
 
 def format_table(rows, low: CostParams, high: Optional[CostParams], title: str,
-                 comparisons, notes=()) -> str:
+                 comparisons, notes=(), measured=None) -> str:
     """The model as text. ``rows``: ``[(name, description, report)]``;
     ``comparisons``: ``[(reference, candidate)]`` names whose saving to
-    print; ``high``: the other end of the cost range, or None."""
+    print; ``high``: the other end of the cost range, or None; ``measured``:
+    ``{name: measured host us per call}`` (a column, and each host time is at
+    least it)."""
     lines = [f"host-cost model (a model, not a measurement) -- {title}",
              f"  costs {_params_line(low, high)}", ""]
-    est = {name: (estimate(rep, low), estimate(rep, high) if high else None)
+    measured = measured or {}
+    est = {name: (estimate(rep, low, measured.get(name)),
+                  estimate(rep, high, measured.get(name)) if high else None)
            for name, _, rep in rows}
 
     def ms(lo_us, hi_us):
         text = f"{_us_to_ms(lo_us):.2f}"
         return text if hi_us is None or hi_us == lo_us else f"{text}-{_us_to_ms(hi_us):.2f}"
 
-    header = ("path", "aten ops", "views", "launches", "syncs", "host ms")
+    header = ("path", "aten ops", "views", "launches", "syncs", "model ms") + (
+        ("measured ms", "host ms") if measured else ())
     table = []
     for name, _, rep in rows:
         lo, hi = est[name]
         ops = rep["num_ops"] if _is_full_report(rep) else rep["ops"]
         views = rep["num_view_ops"] if _is_full_report(rep) else rep["view_ops"]
-        table.append((name, str(ops), str(views), str(lo["launches"]), str(lo["syncs"]),
-                      ms(lo["host_us"], hi and hi["host_us"])))
+        row = (name, str(ops), str(views), str(lo["launches"]), str(lo["syncs"]),
+               ms(lo["model_us"], hi and hi["model_us"]))
+        if measured:
+            got = measured.get(name)
+            row += ("-" if got is None else f"{_us_to_ms(got):.2f}",
+                    ms(lo["host_us"], hi and hi["host_us"]))
+        table.append(row)
     widths = [max(len(r[i]) for r in [header] + table) for i in range(len(header))]
     for r in [header] + table:
         lines.append("  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i])
@@ -545,6 +616,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model-from", metavar="RESULTS.json", default=None,
                    help="the main job's results (python -m leanstep.megatron.train): the model "
                         "for its per-condition audits instead of the seed layout")
+    p.add_argument("--no-measure", action="store_true",
+                   help="the model alone: no measured host time per call (seed layout)")
     p.add_argument("--json", action="store_true", help="print the predictions as one JSON object")
     return p
 
@@ -630,13 +703,20 @@ def main(argv: Optional[list] = None) -> int:
         return _main_job(opts, low, high, ap)
     audited = audit_seed_layout()
     reports = audited["reports"]
+    measured = None if opts.no_measure else measure_seed_layout(list(reports))
     baselines = [name for name in reports if name != "leanstep"]
+
+    def pair(b):
+        return (None, None) if measured is None else (measured[b], measured["leanstep"])
+
     if opts.json:
         out = {"layout": audited["layout"], "grads": audited["grads"],
-               "predictions": {b: predict(reports[b], reports["leanstep"], low)
+               "measured_us": measured,
+               "predictions": {b: predict(reports[b], reports["leanstep"], low, pair(b))
                                for b in baselines}}
         if high is not None:
-            out["predictions_high"] = {b: predict(reports[b], reports["leanstep"], high)
+            out["predictions_high"] = {b: predict(reports[b], reports["leanstep"], high,
+                                                  pair(b))
                                        for b in baselines}
         print(json.dumps(out))
         return 0
@@ -645,7 +725,12 @@ def main(argv: Optional[list] = None) -> int:
         f"{audited['layout']}: {audited['grads']} fp32 grads in {audited['buffers']} buffers, "
         f"{audited['elements']:,} elements; norm + clip, one step, audited on CPU tensors",
         [(b, "leanstep") for b in baselines],
-        ["the all-reduce of the norm (one collective on either side) is left out"]))
+        ["the all-reduce of the norm (one collective on either side) is left out"]
+        + ([] if measured is None else [
+            "measured: the path's own host time per call on this CPU, its 3168 grads one "
+            "element each (negligible compute), one thread; host ms is the larger of the "
+            "model and the measurement (each a lower bound: they overlap in each launched "
+            "op's dispatch)"]), measured))
     return 0
 
 

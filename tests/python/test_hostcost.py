@@ -160,8 +160,17 @@ def test_prediction_arithmetic():
     assert p["baseline"]["launch_us"] == 50.0 and p["baseline"]["sync_us"] == 40.0
     assert p["baseline"]["host_us"] == 90.0 and p["leanstep"]["host_us"] == 15.0
     assert p["saving"] == {"launches": 7, "syncs": 2, "launch_us": 35.0, "sync_us": 40.0,
-                           "host_us": 75.0}
+                           "model_us": 75.0, "host_us": 75.0}
     assert p["params"]["launch_us"] == 5.0 and p["params"]["device_kind"] == "cuda"
+    # A measured host time per call: each side's host time is at least it and at least the
+    # model (both lower bounds); the model's own figures are unchanged.
+    m = hc.predict(base, lean, hc.CostParams(launch_us=5.0, sync_us=20.0), (60.0, 400.0))
+    assert m["baseline"]["host_us"] == 90.0 and m["baseline"]["measured_us"] == 60.0
+    assert m["leanstep"]["host_us"] == 400.0 and m["leanstep"]["model_us"] == 15.0
+    assert m["saving"]["host_us"] == -310.0 and m["saving"]["model_us"] == 75.0
+    for bad in (-1.0, float("nan"), "3", True):
+        with pytest.raises(leanstep.Error, match="argument measured_us must be a finite number"):
+            hc.estimate(base, measured_us=bad)
 
 
 def test_defaults_per_device_kind_are_the_published_ranges():
@@ -249,10 +258,16 @@ def test_cli_on_the_seed_layout():
     lean = meg["leanstep"]
     assert lean["syncs"] == 0
     # the saving is the arithmetic of the two estimates at 5 us / 20 us
+    measured = d["measured_us"]
+    assert sorted(measured) == sorted(hc.SEED_PATHS) and all(v > 0 for v in measured.values())
     for name, p in d["predictions"].items():
         s = p["saving"]
         assert s["launches"] == p["baseline"]["launches"] - lean["launches"]
-        assert s["host_us"] == pytest.approx(5 * s["launches"] + 20 * s["syncs"]), name
+        assert s["model_us"] == pytest.approx(5 * s["launches"] + 20 * s["syncs"]), name
+        for side, path in (("baseline", name), ("leanstep", "leanstep")):
+            e = p[side]
+            assert e["measured_us"] == measured[path]
+            assert e["host_us"] == max(e["model_us"], measured[path])
         assert p["leanstep"] == lean
     # foreach=True: _foreach_norm and _foreach_mul_ over n one-block tensors,
     # a stack of n norms, and one launch for each other op
@@ -274,13 +289,22 @@ def test_cli_text_and_flag_errors(monkeypatch, capsys):
     monkeypatch.setattr(hc, "audit_seed_layout", lambda: {
         "layout": hc.SEED_LAYOUT, "grads": 8, "buffers": 1, "elements": 80,
         "reports": {"torch-per-tensor": base, "leanstep": lean}})
-    assert hc.main(["--device-kind", "npu"]) == 0
+    assert hc.main(["--device-kind", "npu", "--no-measure"]) == 0
     text = capsys.readouterr().out
-    assert "a model, not a measurement" in text
+    assert "a model, not a measurement" in text and "measured ms" not in text
     # npu: launch 4-10 us, sync 19-30 us; 8 launches + 1 sync against 2 launches
     assert "launch 4-10 us, sync 19-30 us" in text
     assert (f"saving of leanstep against torch-per-tensor: {(6 * 4 + 19) / 1000:.2f}-"
             f"{(6 * 10 + 30) / 1000:.2f} ms") in text
+    # with measured host times: leanstep's 500 us outweighs its model (8-20 us), the
+    # baseline's model (51-110 us) its 10 us measured; the saving is negative
+    monkeypatch.setattr(hc, "measure_seed_layout",
+                        lambda names: {"torch-per-tensor": 10.0, "leanstep": 500.0})
+    assert hc.main(["--device-kind", "npu"]) == 0
+    text = capsys.readouterr().out
+    assert "measured ms" in text and "host ms is the larger" in text
+    assert (f"saving of leanstep against torch-per-tensor: {(8 * 4 + 19 - 500) / 1000:.2f}-"
+            f"{(8 * 10 + 30 - 500) / 1000:.2f} ms") in text
     for argv, flag in ((["--launch-us", "-3"], "--launch-us"),
                        (["--sync-us", "nan"], "--sync-us")):
         with pytest.raises(SystemExit) as e:
