@@ -202,3 +202,17 @@ def test_bad_arguments_are_named_before_any_rank_starts(tmp_path):
                                "--out", str(tmp_path / "x")], env=env, capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+
+
+def test_the_host_bound_config_sets_the_shape_and_explicit_flags_win():
+    ap = main_job.build_parser()
+    args = ap.parse_args(["--config", "host-bound", "--hidden", "256", "--dtype", "fp32"])
+    main_job.check_args(ap, args)
+    shape = {k: getattr(args, k) for k in main_job.CONFIGS["host-bound"]}
+    assert shape == dict(main_job.CONFIGS["host-bound"], hidden=256)  # given: kept
+    args = ap.parse_args(["--dtype", "fp32"])
+    main_job.check_args(ap, args)
+    assert {k: getattr(args, k) for k in main_job.CONFIGS["default"]} == \
+        main_job.CONFIGS["default"]
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--config", "huge"])

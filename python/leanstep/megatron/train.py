@@ -48,7 +48,21 @@ import traceback
 import warnings
 from functools import partial
 
+import torch
+
 import leanstep
+import leanstep.megatron as lm
+from leanstep.audit import DeviceMemory
+
+from . import cpu
+from .lora import apply_lora, is_lora_parameter_name
+from .moe import cpu_kernels
+from .phases import PhaseTimers
+from .step import keep_results_on_device
+
+# Megatron-Core is imported inside the functions that build and run the model: the
+# launching process (argument checks, the torchrun launch, verdicts and pictures) never
+# imports it.
 
 CONDITIONS = ("baseline", "rmsnorm", "grad", "all")
 #: A second baseline, the same preset under another name (on unless --no-aa). Its
@@ -56,6 +70,26 @@ CONDITIONS = ("baseline", "rmsnorm", "grad", "all")
 AA_CONDITION = "baseline-aa"
 PRESETS = {"baseline": "baseline", "rmsnorm": "rmsnorm", "grad": "grad", "all": "all",
            AA_CONDITION: "baseline"}
+
+
+#: Named model shapes (--config): the flags each one sets where not given explicitly.
+CONFIGS = {
+    "default": {"hidden": 256, "layers": 4, "heads": 8, "kv_heads": 2, "experts": 8, "topk": 2,
+                "moe_ffn": 256, "seq": 128},
+    # The seed's rank shape (many layers, 16 local experts at top-8, LoRA on the experts)
+    # at tiny widths: 816 LoRA tensors per rank, a step of about 0.2 s here of which
+    # Megatron's and leanstep's host work is most, as on an accelerator.
+    "host-bound": {"layers": 12, "experts": 16, "topk": 8, "hidden": 64, "heads": 4,
+                   "kv_heads": 2, "moe_ffn": 32, "seq": 64},
+}
+
+
+def apply_config(ap, args):
+    """Sets the model flags not given explicitly: ``args.config``'s value, else the
+    default's."""
+    for name, value in CONFIGS["default"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, CONFIGS[args.config].get(name, value))
 
 
 def crossover_conditions(args):
@@ -96,14 +130,22 @@ def build_parser():
                         "audit and the agreement run at every size). At EP 2 a step here is "
                         "mostly gloo's all-to-all, and the time goes further at EP 1")
     g = ap.add_argument_group("model (Qwen3-MoE style)")
-    g.add_argument("--hidden", type=int, default=256)
-    g.add_argument("--layers", type=int, default=4)
-    g.add_argument("--heads", type=int, default=8)
-    g.add_argument("--kv-heads", type=int, default=2, help="query groups (GQA)")
-    g.add_argument("--experts", type=int, default=8)
-    g.add_argument("--topk", type=int, default=2)
-    g.add_argument("--moe-ffn", type=int, default=256, help="expert FFN hidden size")
-    g.add_argument("--seq", type=int, default=128)
+    g.add_argument("--config", choices=sorted(CONFIGS), default="default",
+                   help="the model's shape: 'default' (4 layers, hidden 256, 8 experts top-2), "
+                        "or 'host-bound' (the seed's rank shape at tiny widths: "
+                        + ", ".join(f"--{k.replace('_', '-')} {v}"
+                                    for k, v in CONFIGS["host-bound"].items())
+                        + ": thousands of small tensors, a step bound by host work as on a "
+                          "fast accelerator). Flags given explicitly win")
+    # Their defaults come from --config (apply_config): None here means "not given".
+    g.add_argument("--hidden", type=int, help="hidden size (default 256)")
+    g.add_argument("--layers", type=int, help="(default 4)")
+    g.add_argument("--heads", type=int, help="(default 8)")
+    g.add_argument("--kv-heads", type=int, help="query groups (GQA) (default 2)")
+    g.add_argument("--experts", type=int, help="(default 8)")
+    g.add_argument("--topk", type=int, help="(default 2)")
+    g.add_argument("--moe-ffn", type=int, help="expert FFN hidden size (default 256)")
+    g.add_argument("--seq", type=int, help="(default 128)")
     # One row of 128 tokens per rank: a step of about a third of a second here, so both
     # Megatron-Core lines' jobs (10 runs x 5 cycles each) finish within 10 minutes.
     g.add_argument("--micro-batch", type=int, default=1, help="rows per microbatch")
@@ -171,8 +213,6 @@ def build_parser():
 
 def auto_dtype():
     """(dtype, why) for --dtype auto."""
-    import torch
-
     try:
         native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
@@ -187,6 +227,8 @@ def check_args(ap, args):
     """Every argument checked before any rank starts."""
     def bad(arg, rule, value):
         ap.error(f"argument {arg}: {rule} (got {value!r})")
+
+    apply_config(ap, args)
 
     def ep_list(flag, text):  # comma-separated EP sizes, empty items skipped
         try:
@@ -275,8 +317,6 @@ class Corpus:
         self.seed = seed
 
     def microbatch(self, step, index, rows):
-        import torch
-
         out = []
         span = len(self.data) - self.seq - 1
         for b in range(rows):
@@ -308,7 +348,6 @@ class Trainer:
         self.before_optimizer_step = None  # tests: f(trainer, step) after backward
 
     def build(self):
-        import torch
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.models.gpt import GPTModel
@@ -316,10 +355,6 @@ class Trainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         from megatron.core.transformer.transformer_config import TransformerConfig
-
-        from . import cpu
-        from .lora import apply_lora
-        from .step import keep_results_on_device
 
         a = self.args
         if ps.model_parallel_is_initialized():
@@ -378,7 +413,6 @@ class Trainer:
         return self
 
     def step(self, step):
-        import torch
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         a = self.args
@@ -443,8 +477,6 @@ class StepResult:
 
 def base_checksum(model):
     """sha256 over every non-adapter parameter (the frozen base)."""
-    from .lora import is_lora_parameter_name
-
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
         if not is_lora_parameter_name(name):
@@ -478,12 +510,6 @@ def pin_to_core(local_rank):
 
 
 def worker(args):
-    import torch
-
-    import leanstep.megatron as lm
-
-    from . import cpu
-
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -510,8 +536,6 @@ def worker(args):
 
 
 def run_ep(args, ep, rank, world, say):
-    import torch
-
     out_dir = os.path.join(args.out, f"ep{ep}")
     trainer = Trainer(args, ep, rank, world)
     result = {"runs": []}
@@ -520,8 +544,6 @@ def run_ep(args, ep, rank, world, say):
     if crossover_at(args, ep):
         plan = json.load(open(os.path.join(out_dir, "plan.json")))
         runs = plan["runs"]
-    from .phases import PhaseTimers
-
     with open(log_path, "w") as log:
         for run_index, run in enumerate(runs):
             trainer.build()
@@ -595,11 +617,6 @@ def audit_conditions(trainer, say, ep):
     Megatron allocates on "cuda", all that follows from them) and audits its
     third step, after the plans, buffers and optimizer state exist. The MoE
     patches run leanstep's kernels on the CPU here, as they run on a device."""
-    from leanstep.audit import DeviceMemory
-
-    from . import cpu
-    from .moe import cpu_kernels
-
     audits = {}
     previous = cpu_kernels(True)
     try:
