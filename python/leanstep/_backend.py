@@ -146,7 +146,7 @@ _cpu_dtypes = None  # the torch dtypes leanstep names, once torch is imported
 def _all_plain_cpu(tensors):
     """Whether every array given is a plain torch CPU tensor (or Parameter)
     of a supported dtype: the common call, which needs none of the checks of
-    :func:`choose_with_reason`."""
+    :func:`choose`."""
     global _cpu_dtypes
     torch = _torch()
     if torch is None:
@@ -160,17 +160,11 @@ def _all_plain_cpu(tensors):
     return True
 
 
-def choose(tensors, backend, where, names=None, *, triton=False):
-    """The backend for a call over `tensors`: "cpu" for plain CPU tensors,
-    "triton" for cuda/xpu/npu tensors when the op has Triton kernels
-    (``triton=<family>``) and Triton runs there, "torch" for any other device;
-    `backend` forces one ("cpu" refuses non-CPU tensors)."""
-    return choose_with_reason(tensors, backend, where, names, triton=triton)[0]
-
-
-def choose_with_reason(tensors, backend, where, names=None, *, triton=False, op=None,
-                       enabled=True):
-    """(:func:`choose`'s backend, why it was chosen). `triton`: the op's
+def choose(tensors, backend, where, names=None, *, triton=False, op=None, enabled=True):
+    """(backend, why) for a call over `tensors`: "cpu" for plain CPU tensors,
+    "triton" for cuda/xpu/npu tensors when the op has Triton kernels and
+    Triton runs there, "torch" for any other device; `backend` forces one
+    ("cpu" refuses non-CPU tensors). `triton`: the op's
     Triton family ("grad", "rmsnorm", "moe"), or False for an op without
     Triton kernels. `enabled`: whether the preset enables `op` (the op's
     name in the vocabulary, "moe.permute"); a disabled op keeps the automatic
@@ -243,7 +237,7 @@ def triton_self_check(family, device):
     with _lock:
         if key in _self_checks:
             return _self_checks[key]
-    from .backends import triton_selfcheck
+    from .backends import triton_selfcheck  # here: it imports triton, only when a call needs it
 
     why = triton_selfcheck.check(family, device)  # outside the lock: it compiles and runs
     with _lock:

@@ -67,7 +67,7 @@ class GradPlan:
         self._buffers = [view(b) for b in buffers]
         self._like = self._grads[0] if self._grads else like
         like_arg = [like] if not self._grads and is_torch(like) else []  # an empty list's device
-        self.backend, self._reason = _registry.choose_plan(
+        self.backend, self._reason = _registry.choose(
             "grad", self._grads + self._buffers + like_arg,
             [f"grads[{i}]" for i in range(len(self._grads))]
             + [f"buffers[{i}]" for i in range(len(self._buffers))] + ["like"] * len(like_arg),
@@ -84,7 +84,7 @@ class GradPlan:
             self._core = self._torch_plan.core
         else:
             self._core = Native(native.GradPlanCore(self._grads, self._buffers))
-        self._fingerprint = _fingerprint(self._grads) if is_torch(self._like) else None
+        self._fingerprint = fingerprint(self._grads) if is_torch(self._like) else None
 
     # -- what the plan found
     num_tensors = property(lambda self: self._core.num_tensors)
@@ -139,10 +139,10 @@ class GradPlan:
         plan was built (one C-level pass over the list)."""
         if self._fingerprint is None:
             return True
-        return _fingerprint(self._grads) == self._fingerprint
+        return fingerprint(self._grads) == self._fingerprint
 
     def _check_current(self, op):
-        if self._fingerprint is not None and _fingerprint(self._grads) != self._fingerprint:
+        if self._fingerprint is not None and fingerprint(self._grads) != self._fingerprint:
             raise Error(f"GradPlan.{op}: a grad was re-pointed or resized since the plan was "
                         f"built (set_, resize_ or a resized storage); build a new GradPlan")
 
@@ -191,6 +191,9 @@ class GradPlan:
             self._check_current("norm")
         else:
             self._check_in_place("norm")
+        return self._norm(norm_type, inv_scale, out, found_inf)
+
+    def _norm(self, norm_type, inv_scale, out, found_inf):
         norm_type = float(norm_type)
         if not (norm_type > 0):
             raise Error(f"GradPlan.norm: argument 'norm_type' must be > 0 or inf (got {norm_type})")
@@ -243,6 +246,9 @@ class GradPlan:
         (a NaN norm gives NaN grads, as the frameworks do). Returns the
         coefficient (1-element fp32)."""
         self._check_in_place("clip_")
+        return self._clip(max_norm, norm, coeff_out)
+
+    def _clip(self, max_norm, norm, coeff_out):
         _check_max_norm(max_norm, "clip")
         if self.backend in ("torch", "triton"):
             check_scalar(coeff_out, "float32", "GradPlan.clip_", "coeff_out")
@@ -258,9 +264,9 @@ class GradPlan:
         """norm then clip in place, the usual step: returns ``(norm, found_inf, coeff)``."""
         self._check_in_place("norm_clip_")
         _check_max_norm(max_norm, "norm_clip")
-        if self.backend in ("torch", "triton"):
-            out, found_inf = self.norm(norm_type)
-            return out, found_inf, self.clip_(max_norm, out)
+        if self.backend in ("torch", "triton"):  # the grads checked once, above
+            out, found_inf = self._norm(norm_type, None, None, None)
+            return out, found_inf, self._clip(max_norm, out, None)
         out = self._new_scalar("float32")
         found_inf = self._new_scalar("float32")
         coeff = self._new_scalar("float32")
@@ -325,15 +331,22 @@ def _check_max_norm(max_norm, where):
     native.grad_check_max_norm(float(max_norm), where)
 
 
-def _fingerprint(grads):
-    """Addresses, shapes and strides of the grads: what a re-pointed, resized
-    or re-strided grad changes (a storage resized to 0 moves its address to
-    null; set_ and as_strided_ may keep the address and change the strides)."""
+def fingerprint(grads):
+    """Addresses, dtypes, devices, shapes and strides of the grads: what a
+    re-pointed, resized or re-strided grad changes (a storage resized to 0
+    moves its address to null; set_ and as_strided_ may keep the address and
+    change the strides). Read in one C pass through DLPack's exchange table
+    (the bytes of :func:`leanstep._leanstep.tensor_list_key`), in Python where
+    a tensor has no table (meta). None for arrays that are not torch tensors."""
     torch = torch_module()
     if not grads or not isinstance(grads[0], torch.Tensor):
         return None
+    keyed = _leanstep.tensor_list_key(grads)
+    if keyed is not None:
+        return keyed[1]
     return (tuple(map(torch.Tensor.data_ptr, grads)), tuple(map(torch.Tensor.size, grads)),
-            tuple(map(torch.Tensor.stride, grads)))
+            tuple(map(torch.Tensor.stride, grads)), tuple(g.dtype for g in grads),
+            tuple(g.device for g in grads))
 
 
 def multi_tensor_scale(src_list, dst_list, scale, *, found_inf=None, backend=None):

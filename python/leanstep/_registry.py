@@ -12,7 +12,7 @@ kernels on cuda, xpu and npu), each with how it works (for
 A call goes through :func:`route`:
 
 1. the device backend from the tensors' device, or the forced ``backend=``
-   (:func:`leanstep._backend.choose_with_reason`);
+   (:func:`leanstep._backend.choose`);
 2. on Triton: the preset (an op it switches off runs the torch-op code, the
    device path's reference, also when Triton was forced), ``impl="reference"``
    and the implementation's ``supports``; the reason for each fallback;
@@ -159,19 +159,17 @@ def entry(op):
 def choose(op, tensors, names, backend, where, *, args=None, reference=False):
     """(backend, reason) for one call of `op`, not counted: the device choice
     (or the forced one), then on Triton the preset, `reference` (the caller's
-    ``impl="reference"``) and the kernels' ``supports``."""
+    ``impl="reference"``) and the kernels' ``supports``. `op` may be a family
+    ("grad"): the choice of a plan that serves several of its ops (a GradPlan,
+    built once for many calls), the device choice alone; each call is then
+    settled by :func:`settle` and counted by :func:`record`."""
+    if "." not in op:
+        return _backend.choose(tensors, backend, where, names, triton=op)
     spec = entry(op)
     enabled = _dispatch.op_enabled(op)
-    chosen, why = _backend.choose_with_reason(tensors, backend, where, names,
-                                              triton=spec.family, op=op, enabled=enabled)
+    chosen, why = _backend.choose(tensors, backend, where, names, triton=spec.family, op=op,
+                                  enabled=enabled)
     return settle(op, chosen, why, enabled=enabled, args=args, reference=reference)
-
-
-def choose_plan(family, tensors, names, backend, where):
-    """(backend, reason) of a plan that serves several ops of `family` (a
-    GradPlan, built once for many calls): the device choice alone; each call
-    is then settled by :func:`settle` and counted by :func:`record`."""
-    return _backend.choose_with_reason(tensors, backend, where, names, triton=family)
 
 
 def settle(op, chosen, why, *, enabled=None, args=None, reference=False):

@@ -12,9 +12,13 @@
   :func:`sort_chunks_by_idxs`: autograd functions over the leanstep kernels.
 """
 
+import math
+
 import torch
 
 from . import _backend, _leanstep, _registry
+from ._arrays import output_hooks as _output_hooks
+from ._rules import restore_rows as _restore_rows
 from ._arrays import dtype_name as _dtype_name
 from ._arrays import empty as _empty
 from ._arrays import native as _native
@@ -25,6 +29,12 @@ if "rmsnorm" in _leanstep.areas:
     from ._leanstep import rmsnorm_forward_lean as _rmsnorm_forward_lean
 
 if "moe" in _leanstep.areas:
+    from ._leanstep import moe_permute as _moe_permute_native
+    from ._leanstep import moe_permute_backward as _moe_permute_backward_native
+    from ._leanstep import moe_permute_output_rows as _moe_output_rows
+    from ._leanstep import moe_permute_probs_backward as _moe_permute_probs_backward_native
+    from ._leanstep import moe_unpermute as _moe_unpermute_native
+    from ._leanstep import moe_unpermute_backward as _moe_unpermute_backward_native
     from ._moe import (
         moe_permute,
         moe_permute_backward,
@@ -89,11 +99,8 @@ class _LeanRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        if not dy.is_contiguous() or dy.is_neg():
-            dy = dy.contiguous().resolve_neg()
-        dx = _output_like(x)
-        dweight = _output_like(weight) if ctx.needs_input_grad[1] else None
-        _rmsnorm_backward_lean(dy, x, rstd, weight, dx, dweight, ctx.zero_centered_gamma)
+        dx, dweight = _lean_backward(dy, x, rstd, weight, ctx.zero_centered_gamma,
+                                     ctx.needs_input_grad[1])
         return dx, dweight, None, None, None
 
 
@@ -106,6 +113,37 @@ def _output_like(t):
     if t.numel() * t.element_size() < _POOLED_BYTES:
         return torch.empty_like(t, memory_format=torch.contiguous_format)
     return _fresh_like(t)
+
+
+def _dense(t):
+    """A gradient as the kernels take it: contiguous and not a negated view."""
+    if not t.is_contiguous() or t.is_neg():
+        t = t.contiguous().resolve_neg()
+    return t
+
+
+def _lean_backward(dy, x, rstd, weight, zero_centered_gamma, weight_grad):
+    """(dx, dweight or None) of the decided CPU path: one native call."""
+    dx = _output_like(x)
+    dweight = _output_like(weight) if weight_grad else None
+    _rmsnorm_backward_lean(_dense(dy), x, rstd, weight, dx, dweight, zero_centered_gamma)
+    return dx, dweight
+
+
+class _LeanExactForwardRMSNorm(torch.autograd.Function):
+    """:class:`_ExactForwardFrozenRMSNorm` with its decision made, on CPU
+    tensors: torch's forward, leanstep's dx-only backward, one native call."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        return _lean_backward(dy, x, rstd, weight, False, False)[0], None, None
 
 
 class _ExactForwardFrozenRMSNorm(torch.autograd.Function):
@@ -314,17 +352,12 @@ class RMSNorm(torch.nn.RMSNorm):
         return None
 
     def _context(self, weight_requires_grad):
-        hooks = bool(self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
-                     or self._backward_pre_hooks or torch.nn.modules.module._global_forward_hooks
-                     or torch.nn.modules.module._global_forward_pre_hooks
-                     or torch.nn.modules.module._global_backward_hooks
-                     or torch.nn.modules.module._global_backward_pre_hooks)
         return dict(
             weight_requires_grad=weight_requires_grad,
             fp8_output=False,
             autocast=_autocast_enabled(self.weight.device.type),
             activation_offload=_activation_offload_active(),
-            debug_hooks=hooks,
+            debug_hooks=_hooks_active(self),
             compiled_or_captured=_compiling(),
             user_subclass=type(self).forward is not RMSNorm.forward,
         )
@@ -382,6 +415,10 @@ class RMSNorm(torch.nn.RMSNorm):
         if (getattr(self, "exact_forward", False) and delegate_ok
                 and decision["path"] == "frozen_fused" and x.dtype == self.weight.dtype):
             self.last_decision["forward"] = "torch_order"
+            if chosen == "cpu" and type(self).forward is RMSNorm.forward:
+                # Decided: later calls with the same signature take _LeanPath.run.
+                self.__dict__["_lean"] = _LeanPath(self, x, float(eps), route.reason,
+                                                   self.last_decision, exact=True)
             if not (torch.is_grad_enabled() and x.requires_grad):
                 return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], self.weight,
                                                       float(eps))[0]
@@ -392,7 +429,7 @@ class RMSNorm(torch.nn.RMSNorm):
         if chosen == "triton":
             return route.module.rms_norm(x, self.weight, float(eps), self.zero_centered_gamma,
                                          self.rounding, _count_triton_backward)
-        if type(self).forward is RMSNorm.forward and not self.frozen_only:
+        if type(self).forward is RMSNorm.forward:
             # Decided: later calls with the same signature take _LeanPath.run.
             self.__dict__["_lean"] = _LeanPath(self, x, float(eps), route.reason,
                                                self.last_decision)
@@ -412,6 +449,13 @@ _global_hooks = (torch.nn.modules.module._global_forward_hooks,
                  torch.nn.modules.module._global_backward_pre_hooks)
 
 
+def _hooks_active(module):
+    """Whether a hook (the module's own or a global one) would see this call:
+    leanstep then hands it to torch, whose path the hooks were written for."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or any(_global_hooks))
+
+
 def _is_autocast_cpu():
     return torch.is_autocast_enabled("cpu")
 
@@ -426,41 +470,50 @@ class _LeanPath:
     difference sends the call back to the full path, which decides again."""
 
     __slots__ = ("signature", "eps", "zero_centered_gamma", "cast_then_scale", "why",
-                 "decision")
+                 "decision", "exact", "frozen_weight_only")
 
-    def __init__(self, module, x, eps, why, decision):
+    def __init__(self, module, x, eps, why, decision, exact=False):
         self.signature = self._signature(module, x)
         self.eps = eps
         self.zero_centered_gamma = module.zero_centered_gamma
         self.cast_then_scale = module.rounding == "cast_then_scale"
         self.why = why
         self.decision = dict(decision)
+        # exact_forward: torch's own forward (aten._fused_rms_norm), leanstep's dx.
+        self.exact = exact
+        # A trainable weight under autograd is the full path's call (frozen_only: torch's
+        # forward; exact: it holds for a frozen weight only).
+        self.frozen_weight_only = exact or module.frozen_only
 
     @staticmethod
     def _signature(module, x):
         w = module.weight
         return (type(x), x.dtype, x.device, x.shape[-1] if x.dim() else None, x.is_contiguous(),
                 w, w.dtype, w.requires_grad, module.eps, module.zero_centered_gamma,
-                module.rounding, module.backend, module.exact_forward)
+                module.rounding, module.backend, module.exact_forward, module.frozen_only)
 
     def run(self, module, x):
         """The output, or None when the full path must decide this call."""
-        if (self._signature(module, x) != self.signature or x.is_neg()
-                or module._forward_hooks or module._forward_pre_hooks
-                or module._backward_hooks or module._backward_pre_hooks
-                or any(_global_hooks) or _is_autocast_cpu()
+        if (self._signature(module, x) != self.signature or x.is_neg() or _hooks_active(module)
+                or _is_autocast_cpu()
                 or _activation_offload_active() or _compiling()):
             return None
         weight = module.weight
         grad = torch.is_grad_enabled()
+        if self.frozen_weight_only and grad and weight.requires_grad:
+            return None
         _backend.record("rmsnorm.forward", "cpu", "cpu", self.why)
         module.__dict__["last_decision"] = dict(self.decision)
+        if self.exact:
+            if grad and x.requires_grad:
+                return _LeanExactForwardRMSNorm.apply(x, weight, self.eps)
+            return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, self.eps)[0]
         if grad and (x.requires_grad or weight.requires_grad):
             return _LeanRMSNorm.apply(x, weight, self.eps, self.zero_centered_gamma,
                                       self.cast_then_scale)
         y = _output_like(x)
-        _rmsnorm_forward_lean(x, weight, y, torch.empty(x.shape[:-1], dtype=torch.float32),
-                              self.eps, self.zero_centered_gamma, self.cast_then_scale, False)
+        _rmsnorm_forward_lean(x, weight, y, None, self.eps, self.zero_centered_gamma,
+                              self.cast_then_scale, False)  # no rstd: nothing differentiates
         return y
 
 
@@ -471,18 +524,58 @@ def _contiguous(*tensors):
     return tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in tensors)
 
 
+# The common call, decided without the router ("lean"): plain CPU tensors
+# (contiguous, not negated views), backend and method left to leanstep, no
+# output hook (the audit's). One native call per kernel, outputs from torch's
+# allocator (leanstep's pool from 2 MiB up), each call counted as the router
+# counts it. Anything else goes through the router: the same autograd Function
+# (_PermuteFunction / _UnpermuteFunction), the same kernels, the same numbers.
+_MOE_WHY = "CPU tensors"
+
+
+def _lean_moe_call(*tensors):
+    if _output_hooks or not _backend._all_plain_cpu(tensors):
+        return False
+    for t in tensors:
+        if t is not None and (not t.is_contiguous() or t.is_neg()):
+            return False
+    return True
+
+
+def _new_output(shape, dtype, like):
+    if math.prod(shape) * dtype.itemsize < _POOLED_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    return _empty(shape, _dtype_name(like) if like.dtype == dtype else str(dtype)[6:], like)
+
+
 class _PermuteFunction(torch.autograd.Function):
+    """permute and its gradients, on every backend. `lean`: plain CPU tensors
+    decided without the router (:func:`_lean_moe_call`): one native call per
+    kernel, each counted as the router counts it."""
+
     @staticmethod
-    def forward(ctx, tokens, routing_map, probs, num_out_tokens, drop_and_pad, method, backend):
-        # The kernels take contiguous inputs on every backend; the autograd layer takes any.
-        tokens, routing_map, probs = _contiguous(tokens, routing_map, probs)
-        permuted, permuted_probs, sorted_indices = moe_permute(
-            tokens, routing_map, probs, num_out_tokens, drop_and_pad, method, backend=backend)
+    def forward(ctx, tokens, routing_map, probs, num_out_tokens, drop_and_pad, method, backend,
+                lean):
+        # A permuted row or prob the caller never uses gets no gradient (None, not
+        # zeros): its backward kernel is skipped.
+        ctx.set_materialize_grads(False)
+        if lean:
+            rows = _moe_output_rows(routing_map, num_out_tokens, drop_and_pad)
+            permuted = _new_output((rows,) + tuple(tokens.shape[1:]), tokens.dtype, tokens)
+            permuted_probs = None if probs is None else _new_output((rows,), probs.dtype, tokens)
+            sorted_indices = torch.empty((rows,), dtype=torch.int64)
+            _backend.record("moe.permute", "cpu", "cpu", _MOE_WHY)
+            _moe_permute_native(tokens, routing_map, probs, num_out_tokens, drop_and_pad, "auto",
+                                permuted, permuted_probs, sorted_indices)
+        else:
+            # The kernels take contiguous inputs on every backend; the autograd layer takes any.
+            tokens, routing_map, probs = _contiguous(tokens, routing_map, probs)
+            permuted, permuted_probs, sorted_indices = moe_permute(
+                tokens, routing_map, probs, num_out_tokens, drop_and_pad, method, backend=backend)
         ctx.save_for_backward(sorted_indices, routing_map)
         ctx.num_tokens = tokens.shape[0]
         ctx.drop_and_pad = drop_and_pad
-        ctx.method = method
-        ctx.backend = backend
+        ctx.method, ctx.backend, ctx.lean = method, backend, lean
         ctx.mark_non_differentiable(sorted_indices)
         return permuted, permuted_probs, sorted_indices
 
@@ -490,14 +583,28 @@ class _PermuteFunction(torch.autograd.Function):
     def backward(ctx, dpermuted, dpermuted_probs, _):
         sorted_indices, routing_map = ctx.saved_tensors
         dtokens = dprobs = None
-        if ctx.needs_input_grad[0]:
-            dtokens = moe_permute_backward(dpermuted.contiguous(), sorted_indices,
-                                           ctx.num_tokens, ctx.method, backend=ctx.backend)
-        if ctx.needs_input_grad[2] and dpermuted_probs is not None:
-            dprobs = moe_permute_probs_backward(dpermuted_probs.contiguous(), sorted_indices,
-                                                routing_map, ctx.drop_and_pad,
-                                                backend=_registry.without_triton("moe.permute_probs_backward", ctx.backend))
-        return dtokens, None, dprobs, None, None, None, None
+        if dpermuted is not None and ctx.needs_input_grad[0]:
+            dpermuted = _dense(dpermuted)
+            if ctx.lean:
+                dtokens = _new_output((ctx.num_tokens, dpermuted.shape[1]), dpermuted.dtype,
+                                      dpermuted)
+                _backend.record("moe.permute_backward", "cpu", "cpu", _MOE_WHY)
+                _moe_permute_backward_native(dpermuted, sorted_indices, dtokens, "auto")
+            else:
+                dtokens = moe_permute_backward(dpermuted, sorted_indices, ctx.num_tokens,
+                                               ctx.method, backend=ctx.backend)
+        if dpermuted_probs is not None and ctx.needs_input_grad[2]:
+            dpermuted_probs = _dense(dpermuted_probs)
+            if ctx.lean:
+                dprobs = torch.empty(tuple(routing_map.shape), dtype=dpermuted_probs.dtype)
+                _backend.record("moe.permute_probs_backward", "cpu", "cpu", _MOE_WHY)
+                _moe_permute_probs_backward_native(dpermuted_probs, sorted_indices, routing_map,
+                                                   ctx.drop_and_pad, dprobs)
+            else:
+                dprobs = moe_permute_probs_backward(
+                    dpermuted_probs, sorted_indices, routing_map, ctx.drop_and_pad,
+                    backend=_registry.without_triton("moe.permute_probs_backward", ctx.backend))
+        return dtokens, None, dprobs, None, None, None, None, None
 
 
 def permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=False,
@@ -505,41 +612,68 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=F
     """Autograd-aware :func:`leanstep.moe_permute`: gradients flow to tokens
     and probs. Returns ``(permuted, permuted_probs, sorted_indices)``.
     ``backend`` as for :func:`leanstep.moe_permute` (the backward uses the same)."""
+    lean = (backend is None and method is None and _lean_moe_call(tokens, routing_map, probs)
+            and (num_out_tokens is None or type(num_out_tokens) is int))
     return _PermuteFunction.apply(tokens, routing_map, probs, num_out_tokens, drop_and_pad,
-                                  method, backend)
+                                  method, backend, lean)
 
 
 class _UnpermuteFunction(torch.autograd.Function):
+    """unpermute and its gradients, on every backend; `lean` as for
+    :class:`_PermuteFunction`."""
+
     @staticmethod
     def forward(ctx, permuted, sorted_indices, restore_shape, probs, routing_map, drop_and_pad,
-                method, backend):
-        permuted, sorted_indices, probs, routing_map = _contiguous(permuted, sorted_indices, probs,
-                                                                   routing_map)
-        out = moe_unpermute(permuted, sorted_indices, restore_shape, probs, routing_map,
-                            drop_and_pad, method, backend=backend)
+                method, backend, lean):
+        ctx.set_materialize_grads(False)
+        if lean:
+            rows = _restore_rows(restore_shape, "unpermute", permuted.shape[1])
+            out = _new_output((rows, permuted.shape[1]), permuted.dtype, permuted)
+            _backend.record("moe.unpermute", "cpu", "cpu", _MOE_WHY)
+            _moe_unpermute_native(permuted, sorted_indices, out, probs, routing_map,
+                                  drop_and_pad, "auto")
+        else:
+            permuted, sorted_indices, probs, routing_map = _contiguous(permuted, sorted_indices,
+                                                                       probs, routing_map)
+            out = moe_unpermute(permuted, sorted_indices, restore_shape, probs, routing_map,
+                                drop_and_pad, method, backend=backend)
         ctx.save_for_backward(permuted, sorted_indices, probs, routing_map)
         ctx.drop_and_pad = drop_and_pad
-        ctx.method = method
-        ctx.backend = backend
+        ctx.method, ctx.backend, ctx.lean = method, backend, lean
         return out
 
     @staticmethod
     def backward(ctx, dout):
+        none = (None,) * 9
+        if dout is None:
+            return none
         permuted, sorted_indices, probs, routing_map = ctx.saved_tensors
+        dout = _dense(dout)
+        # dprobs only when probs needs it: its dot products are most of this kernel.
         need_probs = probs is not None and ctx.needs_input_grad[3]
-        dpermuted, dprobs = moe_unpermute_backward(
-            dout.contiguous(), permuted, sorted_indices, probs, routing_map, ctx.drop_and_pad,
-            ctx.method, backend=_registry.without_triton("moe.unpermute_backward", ctx.backend))
+        if ctx.lean:
+            dpermuted = _new_output(tuple(permuted.shape), permuted.dtype, permuted)
+            dprobs = torch.empty(tuple(probs.shape), dtype=probs.dtype) if need_probs else None
+            _backend.record("moe.unpermute_backward", "cpu", "cpu", _MOE_WHY)
+            _moe_unpermute_backward_native(dout, permuted, sorted_indices, probs, routing_map,
+                                           ctx.drop_and_pad, "auto", dpermuted, dprobs)
+        else:
+            dpermuted, dprobs = moe_unpermute_backward(
+                dout, permuted, sorted_indices, probs, routing_map, ctx.drop_and_pad, ctx.method,
+                backend=_registry.without_triton("moe.unpermute_backward", ctx.backend))
         return (dpermuted if ctx.needs_input_grad[0] else None, None, None,
-                dprobs if need_probs else None, None, None, None, None)
+                dprobs if need_probs else None) + none[4:]
 
 
 def unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_map=None,
               drop_and_pad=False, method=None, *, backend=None):
     """Autograd-aware :func:`leanstep.moe_unpermute`: gradients flow to the
     permuted tokens and to probs. ``backend`` as for :func:`leanstep.moe_unpermute`."""
+    lean = (backend is None and method is None
+            and _lean_moe_call(permuted, sorted_indices, probs, routing_map)
+            and permuted.dim() == 2)
     return _UnpermuteFunction.apply(permuted, sorted_indices, tuple(restore_shape), probs,
-                                    routing_map, drop_and_pad, method, backend)
+                                    routing_map, drop_and_pad, method, backend, lean)
 
 
 class _SortChunksFunction(torch.autograd.Function):

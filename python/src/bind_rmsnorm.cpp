@@ -187,10 +187,22 @@ void bind_rmsnorm(nb::module_& m) {
   // no feature set (the caller checked them).
   m.def(
       "rmsnorm_forward_lean",
-      [](const InArray& x, const InArray& gamma, const OutArray& y, const OutArray& rstd,
+      [](const InArray& x, const InArray& gamma, const OutArray& y, const std::optional<OutArray>& rstd,
          double eps, bool zero_centered_gamma, bool cast_then_scale, bool weight_requires_grad) {
         const Tensor xt = to_tensor(x, "x"), gt = to_tensor(gamma, "weight");
-        const Tensor yt = to_tensor(y, "y"), rt = to_tensor(rstd, "rstd");
+        const Tensor yt = to_tensor(y, "y");
+        // rstd=None (a forward nothing differentiates): the kernel's rstd goes to a
+        // per-thread scratch row, not to a tensor the caller allocates and drops.
+        thread_local std::vector<float> rstd_scratch;
+        Tensor rt;
+        if (rstd) {
+          rt = to_tensor(*rstd, "rstd");
+        } else {
+          const int64_t width = xt.ndim > 0 ? xt.shape[xt.ndim - 1] : 0;
+          const int64_t rows = width > 0 ? xt.numel() / width : 0;
+          if (rstd_scratch.size() < static_cast<size_t>(rows)) rstd_scratch.resize(static_cast<size_t>(rows));
+          rt = Tensor(rstd_scratch.data(), DType::kFloat32, {rows});
+        }
         rmsnorm::Options options;
         options.eps = eps;
         options.zero_centered_gamma = zero_centered_gamma;
@@ -201,7 +213,7 @@ void bind_rmsnorm(nb::module_& m) {
         nb::gil_scoped_release release;
         ops::rmsnorm_forward(xt, gt, yt, rt, options, context);
       },
-      nb::arg("x"), nb::arg("weight"), nb::arg("y"), nb::arg("rstd"), nb::arg("eps"),
+      nb::arg("x"), nb::arg("weight"), nb::arg("y"), nb::arg("rstd").none(), nb::arg("eps"),
       nb::arg("zero_centered_gamma"), nb::arg("cast_then_scale"),
       nb::arg("weight_requires_grad"));
   m.def(

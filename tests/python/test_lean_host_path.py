@@ -9,7 +9,7 @@ import torch
 
 import leanstep
 import leanstep.torch as lt
-from leanstep import _leanstep
+from leanstep import _backend, _leanstep
 
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
@@ -224,3 +224,168 @@ def test_keys_are_exact_under_random_views(torch_gen, rng):
         for j in range(i + 1, min(len(lists), i + 40)):
             assert (keys[i] == keys[j]) == (meta[i] == meta[j]), (meta[i], meta[j])
     assert any(keys[i] == keys[j] for i in range(len(keys)) for j in range(i))  # some equal
+
+
+# ---------------------------------------------------------------- MoE permute / unpermute
+
+
+def _routing(tokens, experts, topk, gen, dtype):
+    scores = torch.rand(tokens, experts, generator=gen)
+    topk = min(topk, experts)
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool)
+    if tokens:
+        routing_map.scatter_(1, scores.topk(topk, dim=1).indices, True)
+    probs = torch.where(routing_map, scores, 0.0).to(dtype)
+    return routing_map, probs
+
+
+def _permute_round_trip(tokens, routing_map, probs, dout, num_out, **kwargs):
+    tokens = tokens.detach().clone().requires_grad_(True)
+    probs = probs.detach().clone().requires_grad_(True)
+    permuted, permuted_probs, idx = lt.permute(tokens, routing_map, probs, num_out, **kwargs)
+    # permuted_probs feeds the loss too, so both backward kernels of permute run
+    out = lt.unpermute(permuted * 2, idx, tokens.shape, probs, routing_map, **kwargs)
+    (out.float() * dout.float()).sum().add((permuted_probs.float() ** 2).sum()).backward()
+    return out.detach(), permuted.detach(), idx, tokens.grad, probs.grad
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_the_lean_moe_path_gives_the_general_paths_bits(dtype, torch_gen, rng):
+    # Random sizes (empty included), fresh seeds: the lean path (no backend, no method)
+    # against the general one (method="fused": the same kernels through the router).
+    for _ in range(4):
+        t, h, e = int(rng.integers(0, 40)), int(rng.integers(1, 70)), int(rng.integers(1, 9))
+        routing_map, probs = _routing(t, e, int(rng.integers(1, 4)), torch_gen, dtype)
+        tokens = torch.randn(t, h, generator=torch_gen).to(dtype)
+        dout = torch.randn(t, h, generator=torch_gen).to(dtype)
+        routed = int(routing_map.sum())
+        num_out = None if rng.integers(0, 2) else routed + int(rng.integers(0, 3))
+        leanstep.reset_paths()
+        lean = _permute_round_trip(tokens, routing_map, probs, dout, num_out)
+        calls = _backend.calls()
+        for op in ("moe.permute", "moe.unpermute", "moe.unpermute_backward",
+                   "moe.permute_backward", "moe.permute_probs_backward"):
+            assert calls[op] == {"cpu": {"cpu": 1}}, (op, calls.get(op))
+        general = _permute_round_trip(tokens, routing_map, probs, dout, num_out, method="fused")
+        for a, b in zip(lean, general):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        # float64 oracle of the forward: each token's routed rows times 2 * prob
+        out, _, _, dtokens, dprobs = lean
+        p64 = probs.double() * routing_map
+        expected = (tokens.double() * 2) * p64.sum(1, keepdim=True)
+        bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+        # three roundings (permuted * 2 exact, the product and the sum in fp32, the cast)
+        assert torch.allclose(out.double(), expected, rtol=bound, atol=bound)
+        assert dtokens.shape == tokens.shape and dprobs.shape == probs.shape
+
+
+def test_the_lean_moe_path_skips_gradients_nobody_asked_for(torch_gen):
+    routing_map, probs = _routing(16, 4, 2, torch_gen, torch.float32)
+    tokens = torch.randn(16, 8, generator=torch_gen, requires_grad=True)
+    leanstep.reset_paths()
+    permuted, _, idx = lt.permute(tokens, routing_map, probs)  # probs needs no grad
+    lt.unpermute(permuted, idx, tokens.shape, probs, routing_map).sum().backward()
+    calls = _backend.calls()
+    # permuted_probs fed nothing: its backward did not run (it once ran on zeros)
+    assert "moe.permute_probs_backward" not in calls and calls["moe.permute_backward"]
+    expected = (probs * routing_map).sum(1, keepdim=True).expand(16, 8)
+    assert torch.allclose(tokens.grad, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_strided_negated_or_forced_moe_calls_take_the_general_path(torch_gen):
+    routing_map, probs = _routing(12, 4, 2, torch_gen, torch.float32)
+    base = torch.randn(8, 12, generator=torch_gen)
+    tokens = base.t().requires_grad_(True)  # strided: the general path copies it
+    permuted, _, idx = lt.permute(tokens, routing_map, probs)
+    out = lt.unpermute(permuted, idx, tokens.shape, probs, routing_map)
+    expected = tokens.detach() * (probs * routing_map).sum(1, keepdim=True)
+    assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(leanstep.Error, match="negative bit"):  # never read as its memory
+        lt.permute(torch._neg_view(base.t().contiguous()), routing_map, probs)
+    with pytest.raises(leanstep.Error, match="negative bit"):
+        lt.unpermute(torch._neg_view(permuted), idx, tokens.shape, probs, routing_map)
+    with pytest.raises(leanstep.Error, match="restore_shape"):
+        lt.unpermute(permuted, idx, (12, 5), probs, routing_map)
+    with pytest.raises(leanstep.Error, match="num_out_tokens"):
+        lt.permute(base.t().contiguous(), routing_map, probs, 3)  # fewer rows than routed
+
+
+def test_a_forward_without_rstd_writes_only_y(torch_gen):
+    # rstd=None: the kernel's rstd goes to a per-thread scratch; y is the same bits
+    x = torch.randn(37, 129, generator=torch_gen).to(torch.bfloat16)
+    w = torch.rand(129, generator=torch_gen).to(torch.bfloat16)
+    y0, y1 = torch.empty_like(x), torch.empty_like(x)
+    rstd = torch.empty(37)
+    _leanstep.rmsnorm_forward_lean(x, w, y0, rstd, 1e-6, False, False, False)
+    _leanstep.rmsnorm_forward_lean(x, w, y1, None, 1e-6, False, False, False)
+    assert torch.equal(y0, y1)
+    big = torch.randn(3000, 129, generator=torch_gen).to(torch.bfloat16)  # the scratch grows
+    y2 = torch.empty_like(big)
+    _leanstep.rmsnorm_forward_lean(big, w, y2, None, 1e-6, False, False, False)
+    expected = _oracle(big, w, 1e-6)
+    assert torch.allclose(y2.double(), expected, rtol=1.6e-2, atol=1.6e-2)
+    empty = torch.empty(0, 129, dtype=torch.bfloat16)
+    _leanstep.rmsnorm_forward_lean(empty, w, torch.empty_like(empty), None, 1e-6, False, False,
+                                   False)
+
+
+# ---------------------------------------------------------------- the Megatron patch's norms
+
+
+def _megatron_style(width, dtype, gen):
+    # as the WrappedTorchNorm patch builds them: torch's forward kept, leanstep's dx,
+    # a trainable weight left to torch
+    base = torch.nn.RMSNorm(width, eps=1e-5, dtype=dtype)
+    with torch.no_grad():
+        base.weight.copy_(torch.rand(width, generator=gen) + 0.5)
+    base.weight.requires_grad_(False)
+    return base, lt.RMSNorm.from_torch(base, frozen_only=True, exact_forward=True)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_the_exact_forward_norms_decide_once_and_keep_torchs_bits(dtype, torch_gen, rng):
+    width = int(rng.integers(1, 200))
+    base, m = _megatron_style(width, dtype, torch_gen)
+    full = lt.RMSNorm.from_torch(base, frozen_only=True, exact_forward=True)
+    shape = (int(rng.integers(0, 9)), int(rng.integers(1, 5)), width)  # [s, b, h]
+    for call in range(3):
+        x = torch.randn(shape, generator=torch_gen).to(dtype)
+        dy = torch.randn(shape, generator=torch_gen).to(dtype)
+        a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        leanstep.reset_paths()
+        y = m(a)
+        assert "_lean" in m.__dict__ and m.last_decision["forward"] == "torch_order"
+        assert _backend.calls()["rmsnorm.forward"] == {"cpu": {"cpu": 1}}
+        full.__dict__.pop("_lean", None)  # the full path every time
+        y_full = full(b)
+        assert torch.equal(y, base(x))  # torch's own forward, bit for bit
+        y.backward(dy)
+        y_full.backward(dy)
+        assert torch.equal(a.grad, b.grad)
+        with torch.no_grad():
+            assert torch.equal(m(x), y)
+    assert m.weight.grad is None
+
+
+def test_a_trainable_weight_leaves_the_decided_exact_path_to_torch(torch_gen):
+    base, m = _megatron_style(16, torch.float32, torch_gen)
+    x = torch.randn(5, 16, generator=torch_gen)
+    m(x.requires_grad_(True)).sum().backward()  # decided, frozen
+    m.weight.requires_grad_(True)
+    y = m(x)  # the signature (requires_grad) differs: the full path, torch's forward
+    assert m.last_decision["path"] == "torch"
+    y.sum().backward()
+    expected = torch.nn.RMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        expected.weight.copy_(m.weight)
+    expected(x.detach()).sum().backward()
+    assert torch.allclose(m.weight.grad, expected.weight.grad, rtol=1e-6, atol=1e-6)
+    # decided under no_grad with a trainable weight: a later call under autograd still
+    # computes the weight's gradient (torch's path), never the frozen dx-only one
+    _, m2 = _megatron_style(16, torch.float32, torch_gen)
+    m2.weight.requires_grad_(True)
+    with torch.no_grad():
+        m2(x)
+    assert "_lean" in m2.__dict__
+    m2(x).sum().backward()
+    assert m2.weight.grad is not None and m2.last_decision["path"] == "torch"

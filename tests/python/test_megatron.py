@@ -555,7 +555,39 @@ def no_collectives(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.distributed, "all_reduce",
                         lambda t, op=None, group=None, async_op=False: seen.append((t.device, op)))
+    # as on two ranks: over one, the patched functions issue no all-reduce at all
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     return seen
+
+
+def test_a_one_rank_group_gets_no_all_reduce(patched, megatron_on_cpu, monkeypatch, torch_gen):
+    """Over a group of this rank alone the reduction is the identity: the patched
+    functions skip the collective (on gloo a transport round trip that costs more
+    than their kernels) and return what they return with it."""
+    _, grads = make_buffer_grads(torch_gen)
+    grads[0].view(-1)[::5] = 0
+    world = torch.distributed.group.WORLD
+    assert torch.distributed.get_world_size(world) == 1
+    seen = []
+    real = torch.distributed.all_reduce
+    monkeypatch.setattr(torch.distributed, "all_reduce",
+                        lambda *a, **k: seen.append(a) or real(*a, **k))
+
+    def results():
+        params = [Param(g) for g in grads]
+        out = [float(optimizer.get_grad_norm_fp32(grads, norm_type=p, grad_stats_parallel_group=world))
+               for p in (2, 1.0, 3.0)]
+        out.append(float(optimizer.count_zeros_fp32(params, grad_stats_parallel_group=world,
+                                                    tp_group=world)))
+        return out
+
+    skipped = results()
+    assert seen == []
+    with monkeypatch.context() as m:  # as if the group had two ranks: the collective runs
+        m.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+        reduced = results()
+    assert len(seen) == 4 and skipped == reduced
+    assert lm.report()["calls"]["get_grad_norm_fp32"]["delegated"] == {}
 
 
 def test_device_grads_take_the_device_backend(patched, no_collectives, monkeypatch):
@@ -625,19 +657,20 @@ def test_clip_by_a_device_double_norm_is_the_float_path_bitwise(max_norm, patche
 def test_families_switch_at_run_time_without_reinstalling(patched, megatron_on_cpu, torch_gen):
     _, grads = make_buffer_grads(torch_gen)
     try:
-        lm.set_active(["moe", "rmsnorm"])
+        leanstep.set_preset("moe,rmsnorm")
         optimizer.get_grad_norm_fp32(grads)
-        lm.set_active("all")
+        leanstep.set_preset("all")
         optimizer.get_grad_norm_fp32(grads)
-        lm.set_active("baseline")
+        leanstep.set_preset("baseline")
         assert lm.active() == []
         optimizer.get_grad_norm_fp32(grads)
     finally:
-        lm.set_active("all")
+        leanstep.set_preset("all")
     calls = lm.report()["calls"]["get_grad_norm_fp32"]
     assert calls["leanstep"] == 1 and calls["delegated"] == {"switched_off": 2}
-    with pytest.raises(leanstep.Error, match=r"'families' must name grad, moe, rmsnorm.*nope"):
-        lm.set_active(["nope"])
+    with pytest.raises(leanstep.Error, match=r"'preset' must be.*'nope' names none"):
+        leanstep.set_preset("nope")
+    assert leanstep.preset() == "all"  # an unknown name changes nothing
 
 
 def test_the_rmsnorm_a_patch_builds_obeys_the_switch(patched):
@@ -649,12 +682,12 @@ def test_the_rmsnorm_a_patch_builds_obeys_the_switch(patched):
     norm(x)
     assert norm.last_decision["path"] == "frozen_fused"
     try:
-        lm.set_active(["grad"])
+        leanstep.set_preset("grad")
         y = norm(x)
         assert norm.last_decision == {"path": "torch", "reason": "switched_off"}
         assert torch.equal(y, torch.nn.functional.rms_norm(x, (32,), norm.weight, norm.eps))
     finally:
-        lm.set_active("all")
+        leanstep.set_preset("all")
 
 
 # ---------------------------------------------------------------- install errors and restores
@@ -893,3 +926,22 @@ def _check_patches_on_views(views, buf, dtype, world, rng, trial):
         [Param(v.as_subclass(_CudaTyped)) for v in theirs_views], max_norm, total)
     optimizer.clip_grad_by_total_norm_fp32([Param(v) for v in views], max_norm, total)
     assert torch.equal(buf, theirs_buf), what  # the same memory, scaled the same times
+
+
+def test_clip_keeps_the_originals_dtype_rule_on_cached_plans(patched, megatron_on_cpu, torch_gen):
+    """clip_grad_by_total_norm_fp32 takes fp32 grads (and bf16 decoupled grads); others go
+    to the original, which asserts on them. The rule reads the dtypes the cached plan was
+    built for (its key holds each grad's dtype): every call, found or built, applies it."""
+    _, bf16 = make_buffer_grads(torch_gen, dtype=torch.bfloat16)
+    _, fp32 = make_buffer_grads(torch_gen)
+    for _ in range(2):  # built, then found in the cache
+        with pytest.raises(AssertionError):
+            clip_grads.clip_grad_by_total_norm_fp32([Param(g) for g in bf16], 1.0, 1e9)
+        clip_grads.clip_grad_by_total_norm_fp32([Param(g) for g in fp32], 1.0, 1e9)
+    decoupled = [Param(None, decoupled_grad=g) for g in bf16]
+    expected = [g.float() * (1.0 / (1e9 + 1e-6)) for g in bf16]
+    clip_grads.clip_grad_by_total_norm_fp32(decoupled, 1.0, 1e9, use_decoupled_grad=True)
+    calls = lm.report()["calls"]["clip_grad_by_total_norm_fp32"]
+    assert calls["delegated"] == {"dtype": 2} and calls["leanstep"] == 3
+    for g, e in zip(bf16, expected):
+        assert torch.equal(g, e.to(torch.bfloat16))

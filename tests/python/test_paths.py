@@ -60,7 +60,7 @@ def test_device_backend_calls_join_the_report():
 
 def test_megatron_families_are_the_preset():
     lm = pytest.importorskip("leanstep.megatron")
-    lm.set_active(["grad"])
+    leanstep.set_preset("grad")
     assert leanstep.preset() == "grad" and lm.active() == ["grad"]
     leanstep.set_preset("moe.permute")
     assert lm.active() == ["moe"]  # a family with any enabled op

@@ -291,17 +291,17 @@ def test_errors_name_the_argument(monkeypatch):
 def test_automatic_selection_and_report(torch_gen, monkeypatch):
     cpu = torch.zeros(4)
     meta = [torch.zeros(4, device="meta")]
-    assert _backend.choose_with_reason([cpu], None, "t", triton="grad") == ("cpu", "CPU tensors")
+    assert _backend.choose([cpu], None, "t", triton="grad") == ("cpu", "CPU tensors")
     monkeypatch.delenv("LEANSTEP_TRITON", raising=False)  # the default: automatic
-    chosen, why = _backend.choose_with_reason(meta, None, "t", triton="grad")
+    chosen, why = _backend.choose(meta, None, "t", triton="grad")
     assert chosen == "torch" and "Triton kernels do not run meta tensors" in why
     with monkeypatch.context() as m:
         m.setenv("LEANSTEP_TRITON", "off")
-        chosen, why = _backend.choose_with_reason(meta, None, "t", triton="grad")
+        chosen, why = _backend.choose(meta, None, "t", triton="grad")
         assert chosen == "torch" and "switched off (LEANSTEP_TRITON)" in why
         m.setenv("LEANSTEP_TRITON", "sometimes")
         with pytest.raises(leanstep.Error, match="LEANSTEP_TRITON must be 'auto'"):
-            _backend.choose_with_reason(meta, None, "t", triton="grad")
+            _backend.choose(meta, None, "t", triton="grad")
         m.setenv("LEANSTEP_TRITON", "auto")
         # A device where Triton runs (simulated on meta tensors): the family's
         # self-check decides, once per family and device.
@@ -318,12 +318,12 @@ def test_automatic_selection_and_report(torch_gen, monkeypatch):
         m.setattr(triton_selfcheck, "check", fake_check)
         m.setattr(_backend, "_self_checks", {})
         for _ in range(2):
-            assert _backend.choose_with_reason(meta, None, "t", triton="grad") == (
+            assert _backend.choose(meta, None, "t", triton="grad") == (
                 "triton", "meta tensors, Triton driver active, self-check passed")
-            assert _backend.choose_with_reason(meta, None, "t", triton="moe") == (
+            assert _backend.choose(meta, None, "t", triton="moe") == (
                 "torch", "meta tensors; Triton: the moe self-check failed: unpermute differs")
         assert checks == [("grad", "meta"), ("moe", "meta")]
-        assert _backend.choose_with_reason(meta, None, "t", triton=False)[0] == "torch"
+        assert _backend.choose(meta, None, "t", triton=False)[0] == "torch"
     assert leanstep.GradPlan([cpu]).backend == "cpu"
     if NATIVE:  # a device with a Triton driver: chosen without asking
         auto = leanstep.GradPlan([dev(cpu)])

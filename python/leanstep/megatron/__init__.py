@@ -4,7 +4,7 @@
     import leanstep.megatron
     leanstep.megatron.install()      # patch in place (idempotent)
     print(leanstep.megatron.format_report())
-    leanstep.megatron.set_active(["grad"])   # switch families at run time
+    leanstep.set_preset("grad")      # switch families at run time (the one switch)
     leanstep.megatron.uninstall()    # restore the originals exactly
 
 What is patched (each a "patch" with its own signature check, one variant per
@@ -49,11 +49,11 @@ from . import grad as _grad_patches
 from . import moe as _moe_patches
 from . import norm as _norm_patches
 from . import step as _step_patches
-from ._patching import FAMILIES, active, installed, installed_variant, reset_call_counts, set_active
+from ._patching import FAMILIES, active, installed, installed_variant, reset_call_counts
 from .norm import convert_norms
 
 __all__ = ["install", "uninstall", "report", "format_report", "installed", "installed_variant",
-           "set_active", "active", "reset_call_counts", "convert_norms", "PATCHES", "FAMILIES",
+           "active", "reset_call_counts", "convert_norms", "PATCHES", "FAMILIES",
            "INHERENT_READS"]
 
 #: Every patch, in install order.

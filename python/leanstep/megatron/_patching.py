@@ -106,30 +106,9 @@ def is_active(spec):
     return _dispatch.op_enabled(spec.op)
 
 
-def set_active(families):
-    """Switches patch families on or off at run time, without reinstalling:
-    ``set_active(["grad"])`` runs leanstep for the gradient functions only;
-    an inactive patch calls the original (counted as delegated, reason
-    "switched_off"). ``None`` or ``"all"``: every family; ``[]`` or
-    ``"baseline"``: none. This IS the process-wide preset
-    (:func:`leanstep.set_preset`), which also switches the CPU kernels."""
-    if families is None or families == "all":
-        _dispatch.set_preset("all")
-        return
-    if families == "baseline":
-        _dispatch.set_preset("baseline")
-        return
-    if isinstance(families, str):
-        families = [families]
-    unknown = sorted(set(families) - set(FAMILIES))
-    if unknown:
-        raise Error(f"leanstep.megatron.set_active: argument 'families' must name "
-                    f"{', '.join(FAMILIES)} (got unknown {', '.join(unknown)})")
-    _dispatch.set_preset(",".join(sorted(set(families))) or "baseline")
-
-
 def active():
-    """The families whose ops the preset enables (all of them or some)."""
+    """The families whose ops the preset enables (all of them or some). The
+    switch is the process-wide preset: ``leanstep.set_preset("grad,moe")``."""
     return [f for f in FAMILIES if _dispatch.group_enabled(f)]
 
 

@@ -17,11 +17,14 @@ import threading
 
 import torch
 
-from .. import _backend, _dispatch
+from .. import _backend, _dispatch, _leanstep
 from .._leanstep import grads_and_key, tensor_list_key
 from ..backends.torch_grad import PLAN_DTYPES
 from . import _patching
 from ._patching import EMPTY, Spec, Variant
+
+if "grad" in _leanstep.areas:  # a build without the grad area plans nothing
+    from .._grad import GradPlan, fingerprint
 
 CLIP_GRADS = "megatron.core.optimizer.clip_grads"
 UNSCALE = "unscale_and_check_for_nan"
@@ -30,9 +33,8 @@ ALIAS_MODULES = (OPTIMIZER, "megatron.core.optimizer.layer_wise_optimizer",
                  "megatron.core.models.mimo.optimizer")
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-_ptr = torch.Tensor.data_ptr
-_size = torch.Tensor.size
-_stride = torch.Tensor.stride
+_GRAD_DTYPES = frozenset((torch.float32,))  # what clip_grad_by_total_norm_fp32 takes
+_DECOUPLED_DTYPES = frozenset((torch.float32, torch.bfloat16))
 _dtype = operator.attrgetter("dtype")
 _grad_of = operator.attrgetter("grad")
 
@@ -70,8 +72,7 @@ class PlanCache:
         native = tensor_list_key(grads)
         if native is not None:
             return native
-        key = (tuple(map(_ptr, grads)), tuple(map(_size, grads)), tuple(map(_stride, grads)),
-               tuple(map(_dtype, grads)), tuple(g.device for g in grads))
+        key = fingerprint(grads)  # the same facts, read in Python
         return key, key
 
     def get(self, grads, in_place=False, key=None):
@@ -109,8 +110,6 @@ class PlanCache:
             return len(self._by_key)
 
     def _build(self, grads):
-        from .._grad import GradPlan
-
         for g in grads:
             if type(g) not in _PLAIN_TYPES:
                 return None, "tensor_subclass"
@@ -120,7 +119,11 @@ class PlanCache:
             return None, "mixed_devices"
         if grads and _backend.device_usable(grads[0].device) is not None:
             return None, "device_unusable"
-        return GradPlan(grads, like=_EMPTY_LIKE, backend=self.backend), None
+        plan = GradPlan(grads, like=_EMPTY_LIKE, backend=self.backend)
+        # The grads' dtypes, for the callers' own dtype rules: the cache key includes every
+        # grad's dtype, so a plan found for a list has that list's dtypes (no per-call pass).
+        plan.dtypes = frozenset(map(_dtype, grads))
+        return plan, None
 
     def clear(self):
         with self._lock:
@@ -137,6 +140,17 @@ _EMPTY_LIKE = torch.empty(0)  # results of an empty grad list are torch tensors 
 
 def dist_ready():
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def all_reduce(tensor, op, group):
+    """``torch.distributed.all_reduce`` of `tensor` over `group` (None: the
+    default group), as the patched functions' originals do it; skipped where
+    the group holds this rank alone (a reduction over one rank is the identity:
+    the same value without a collective, a device launch or, on gloo, a
+    round trip through its transport, which costs more than the kernels of a
+    grad call at the sizes of a real step)."""
+    if dist_ready() and torch.distributed.get_world_size(group) != 1:
+        torch.distributed.all_reduce(tensor, op=op, group=group)
 
 
 def _device_tag(plan):
@@ -164,17 +178,13 @@ def _make_get_grad_norm_fp32(original, spec):
         p = float(norm_type)
         norm, _ = plan.norm(norm_type=p)
         if p == math.inf:
-            if dist_ready():
-                torch.distributed.all_reduce(norm, op=torch.distributed.ReduceOp.MAX,
-                                             group=grad_stats_parallel_group)
+            all_reduce(norm, torch.distributed.ReduceOp.MAX, grad_stats_parallel_group)
             # Both versions return the inf-norm as a float (of the fp32 max): the
             # same value, kept on the device.
             return norm[0].to(torch.float64)
         # As the original: the p-th power (fp32) is what ranks SUM-reduce.
         total = norm if p == 1.0 else norm ** p
-        if dist_ready():
-            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM,
-                                         group=grad_stats_parallel_group)
+        all_reduce(total, torch.distributed.ReduceOp.SUM, grad_stats_parallel_group)
         # Newer versions keep the norm on the device when Transformer Engine's
         # multi_tensor_scale_tensor is importable (fp32, as they compute it).
         if getattr(home, "multi_tensor_scale_tensor_impl", None) is not None:
@@ -217,9 +227,9 @@ def _make_clip_grad_by_total_norm_fp32(original, spec):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         attr = "decoupled_grad" if use_decoupled_grad else "grad"
         grads, key = grads_with_key(params, attr)
-        allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
+        allowed = _DECOUPLED_DTYPES if use_decoupled_grad else _GRAD_DTYPES
         plan, reason = plans.get(grads, in_place=True, key=key)
-        if reason is None and grads and any(d not in allowed for d in set(map(_dtype, grads))):
+        if reason is None and grads and not plan.dtypes <= allowed:
             reason = "dtype"  # the original asserts on these
         if reason is None and isinstance(total_norm, torch.Tensor) and grads and \
                 total_norm.device != grads[0].device:
@@ -367,13 +377,11 @@ def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
         # Python number): read it when it is logged.
         if with_expert_tp:
             # Newer versions accumulate in int64 and return a Python int.
-            if dist_ready():
-                torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.SUM, group=group)
+            all_reduce(count, torch.distributed.ReduceOp.SUM, group)
             return count[0]
         # 0.16 accumulates into an fp32 tensor, SUM-reduces it, returns a float.
         total = count.to(torch.float32)
-        if dist_ready():
-            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=group)
+        all_reduce(total, torch.distributed.ReduceOp.SUM, group)
         return total[0]
 
     if with_expert_tp:
@@ -440,8 +448,11 @@ def unscale_and_check_on_device(optimizer, spec_name=UNSCALE, prepared=None):
             # Unscale and non-finite check in one pass over the coalesced
             # regions, OR-ed into the optimizer's own found_inf.
             plan.unscale_(inv_scale.reshape(1), found_inf=optimizer.found_inf)
-    torch.distributed.all_reduce(optimizer.found_inf, op=torch.distributed.ReduceOp.MAX,
-                                 group=optimizer.get_grad_stats_parallel_group())
+    group = optimizer.get_grad_stats_parallel_group()
+    if not dist_ready():  # the original's call, and its error without a process group
+        torch.distributed.all_reduce(optimizer.found_inf, op=torch.distributed.ReduceOp.MAX,
+                                     group=group)
+    all_reduce(optimizer.found_inf, torch.distributed.ReduceOp.MAX, group)
     return optimizer.found_inf
 
 

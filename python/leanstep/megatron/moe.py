@@ -16,10 +16,15 @@ import os
 
 import torch
 
-from .. import _backend, _registry
+from .. import _backend, _leanstep, _registry
 from .. import torch as lt
 from . import _patching
 from ._patching import EMPTY, Spec, Variant
+
+if "moe" in _leanstep.areas:  # a build without the moe area has no MoE patches to make
+    from .._moe import moe_permute, moe_unpermute
+    from .._moe import pad_routing_map as ls_pad
+    from .._moe import sort_chunks_by_idxs as ls_sort_chunks
 
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 ALIAS_MODULES = ("megatron.core.transformer.moe.token_dispatcher",)
@@ -79,9 +84,7 @@ def _cpu_kernels_from_environment():
     elif value == "leanstep":
         _cpu_kernels = True
     else:
-        from .._leanstep import Error
-
-        raise Error(f"{_CPU_ENV} must be 'megatron' (the default) or 'leanstep' (got {value!r})")
+        raise _leanstep.Error(f"{_CPU_ENV} must be 'megatron' (the default) or 'leanstep' (got {value!r})")
     return _cpu_kernels
 
 
@@ -138,8 +141,6 @@ def _host_rows(num_out_tokens, device):
 
 
 def _make_permute(original, spec, five_tuple=False):
-    from .._moe import moe_permute
-
     def run(tokens, routing_map, probs, num_out_tokens, fused, drop_and_pad, call_original):
         if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
@@ -209,8 +210,6 @@ def _make_permute(original, spec, five_tuple=False):
 
 
 def _make_unpermute(original, spec, with_pad_offsets=False):
-    from .._moe import moe_unpermute
-
     def run(permuted_tokens, sorted_indices, restore_shape, probs, routing_map, fused,
             drop_and_pad, pad_offsets, call_original):
         if not _patching.is_active(spec):
@@ -271,8 +270,6 @@ def _make_unpermute(original, spec, with_pad_offsets=False):
 
 
 def _make_sort_chunks_by_idxs(original, spec):
-    from .._moe import sort_chunks_by_idxs as ls_sort_chunks
-
     @functools.wraps(original)
     def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False):
         if not _patching.is_active(spec):
@@ -308,8 +305,6 @@ def _make_sort_chunks_by_idxs(original, spec):
 
 
 def _make_pad_routing_map(original, spec):
-    from .._moe import pad_routing_map as ls_pad
-
     @functools.wraps(original)
     def pad_routing_map(routing_map, pad_multiple):
         if not _patching.is_active(spec):

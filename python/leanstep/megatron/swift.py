@@ -36,8 +36,11 @@ import logging
 import sys
 import threading
 
+import torch
+
 from . import _patching, convert_norms, format_report, install
 from ._patching import EMPTY, Spec, Variant
+from .step import DeviceBool, keep_results_on_device
 
 __all__ = ["NAME", "register", "registered", "callback_class", "SPECS", "HOST_READS"]
 
@@ -102,10 +105,6 @@ def _model_parallel_group():
 
 
 def _make_logical_and(original, spec):
-    import torch
-
-    from .step import DeviceBool
-
     @functools.wraps(original)
     def logical_and_across_model_parallel_group(input):
         # ms-swift: int(bool(input)) into a device tensor, MIN-reduced, read back. Here the
@@ -129,8 +128,6 @@ def _make_logical_and(original, spec):
 
 
 def _make_reduce_max_stat(original, spec):
-    import torch
-
     @functools.wraps(original)
     def reduce_max_stat_across_model_parallel_group(stat):
         # ms-swift: the stat into an fp32 device tensor, MAX-reduced, read back. A stat
@@ -172,8 +169,6 @@ def install_train_step_patches():
     import does it). ms-swift's train_step then takes the step's device values
     (its two reductions are these patches), so the patched optimizer steps of
     this process return them (:func:`leanstep.megatron.step.keep_results_on_device`)."""
-    from .step import keep_results_on_device
-
     _patching.install(SPECS)
     keep_results_on_device(None, True)
 
