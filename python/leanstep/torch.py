@@ -46,6 +46,11 @@ if "moe" in _leanstep.areas:
 
 __all__ = ["RMSNorm", "rms_norm", "permute", "unpermute", "sort_chunks_by_idxs"]
 
+if "grad" in _leanstep.areas:
+    from ._torch_clip import GradBuffer, clip_grad_norm_, clip_grads_with_norm_, get_total_norm
+
+    __all__ += ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_", "GradBuffer"]
+
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

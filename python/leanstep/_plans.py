@@ -1,0 +1,128 @@
+"""Grad plans found again each call: the cache behind every patched or
+drop-in gradient function (Megatron's clip_grads, leanstep.torch's
+clip_grad_norm_). A plan is keyed by what decides the memory it covers, read
+in one C pass over the list; it never holds grad memory between calls."""
+
+import operator
+import threading
+
+import torch
+
+from . import _backend, _leanstep
+from ._leanstep import grads_and_key, tensor_list_key
+from .backends.torch_grad import PLAN_DTYPES
+
+if "grad" in _leanstep.areas:  # a build without the grad area plans nothing
+    from ._grad import GradPlan, fingerprint
+
+__all__ = ["PlanCache", "grads_with_key", "EMPTY_LIKE"]
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_dtype = operator.attrgetter("dtype")
+_grad_of = operator.attrgetter("grad")
+EMPTY_LIKE = torch.empty(0)  # results of an empty grad list are torch tensors too
+
+
+def grads_with_key(params, attr="grad"):
+    """(the params' non-None ``attr`` grads in order, their plan-cache key or
+    None): one C pass over the list where every grad has DLPack's exchange
+    table, else Python (the cache then keys the list itself)."""
+    keyed = grads_and_key(params, attr)
+    if keyed is not None:
+        grads, hash_, key = keyed
+        return grads, (hash_, key)
+    if attr == "grad":
+        return [g for g in map(_grad_of, params) if g is not None], None
+    return [g for g in (getattr(p, attr, None) for p in params) if g is not None], None
+
+
+class PlanCache:
+    """GradPlans for the grad lists Megatron passes each step.
+
+    A plan is found by what decides the memory it covers: every grad's
+    address, shape, strides and dtype, and the device. The cache keeps plans
+    without their grads (:meth:`GradPlan._unbound`): it holds no grad memory
+    past the call that used it, however many lists it has seen (fresh main
+    grads each step, as fp16 without ``grad_reduce_in_fp32`` makes them, cost
+    one small template each, the oldest dropped past ``size``). A hit binds the
+    template to the caller's own tensors, the ones whose metadata matched:
+    never to tensors an earlier call passed, which may since have been
+    re-pointed."""
+
+    def __init__(self, size=8):
+        #: The backend plans are built for: None chooses from the grads' device;
+        #: "torch" / "triton" force one (tests and benchmarks only).
+        self.backend = None
+        self._size = size
+        self._by_key = {}
+        self._order = []
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(grads):
+        """(dict key, exact key) of a grad list: everything that decides which
+        memory each view covers (two views with one address and numel may
+        still differ in strides, buf[0:8] and buf[0:16:2], or shape). Read from
+        C through DLPack's exchange table (tens of nanoseconds a view: a 64-bit
+        hash and the bytes it hashes); in Python where a tensor has no table
+        (meta)."""
+        native = tensor_list_key(grads)
+        if native is not None:
+            return native
+        key = fingerprint(grads)  # the same facts, read in Python
+        return key, key
+
+    def get(self, grads, in_place=False, key=None):
+        """(plan, None), or (None, reason) when leanstep cannot take these grads.
+        ``in_place``: the caller writes the grads, so a self-overlapping one
+        (expand(), stride 0) goes to Megatron's own code, which decides.
+        ``key``: :meth:`key` of ``grads``, where the caller has it."""
+        plan, reason = self._get(grads, key or self.key(grads))
+        if in_place and plan is not None and plan._core.first_self_overlapping >= 0:
+            return None, "self_overlapping_grad"
+        return plan, reason
+
+    def _get(self, grads, key):
+        dict_key, exact = (key[0], self.backend), key[1]
+        with self._lock:
+            entry = self._by_key.get(dict_key)
+        if entry is not None and entry[0] == exact:  # the bytes compared: never a stale plan
+            _, template, reason = entry
+            if template is None:
+                return None, reason
+            plan = template._bound(grads, EMPTY_LIKE)
+            if plan is not None:
+                return plan, None
+        plan, reason = self._build(grads)
+        with self._lock:
+            if dict_key not in self._by_key:
+                self._order.append(dict_key)
+            self._by_key[dict_key] = (exact, None if plan is None else plan._unbound(), reason)
+            while len(self._order) > self._size:
+                self._by_key.pop(self._order.pop(0), None)
+        return plan, reason
+
+    def __len__(self):
+        with self._lock:
+            return len(self._by_key)
+
+    def _build(self, grads):
+        for g in grads:
+            if type(g) not in _PLAIN_TYPES:
+                return None, "tensor_subclass"
+            if g.dtype not in PLAN_DTYPES:
+                return None, "dtype"
+        if grads and len({g.device for g in grads}) > 1:
+            return None, "mixed_devices"
+        if grads and _backend.device_usable(grads[0].device) is not None:
+            return None, "device_unusable"
+        plan = GradPlan(grads, like=EMPTY_LIKE, backend=self.backend)
+        # The grads' dtypes, for the callers' own dtype rules: the cache key includes every
+        # grad's dtype, so a plan found for a list has that list's dtypes (no per-call pass).
+        plan.dtypes = frozenset(map(_dtype, grads))
+        return plan, None
+
+    def clear(self):
+        with self._lock:
+            self._by_key.clear()
+            self._order.clear()
