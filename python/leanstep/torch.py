@@ -10,6 +10,9 @@
   ``torch.nn.RMSNorm.forward`` unchanged ("feature delegation").
 - :func:`rms_norm`, :func:`permute`, :func:`unpermute`,
   :func:`sort_chunks_by_idxs`: autograd functions over the leanstep kernels.
+- :func:`clip_grad_norm_`, :func:`get_total_norm`, :func:`clip_grads_with_norm_`:
+  torch's clipping functions on leanstep's grad plans; :class:`GradBuffer`
+  lays trainable grads out in one buffer (see ``_torch_clip``).
 """
 
 import math
@@ -339,6 +342,13 @@ class RMSNorm(torch.nn.RMSNorm):
             extra += f", rounding={self.rounding}"
         return extra
 
+    def _delegate_forward(self, x):
+        """The forward of a call leanstep does not take: torch.nn.RMSNorm's, or
+        the ``delegate`` the module was given (a model's own RMSNorm forward,
+        whose arithmetic this module's options describe)."""
+        delegate = self.__dict__.get("delegate")
+        return super().forward(x) if delegate is None else delegate(x)
+
     def _unsupported(self, x):
         """Why leanstep cannot run this call at all (None if it can)."""
         if "rmsnorm" not in _leanstep.areas:
@@ -354,6 +364,10 @@ class RMSNorm(torch.nn.RMSNorm):
             return "dtype"
         if x.dim() == 0 or x.shape[-1] != self.normalized_shape[0]:
             return "shape"  # torch raises its own error
+        if (self.rounding == "cast_then_scale" and w.dtype != x.dtype
+                and self.__dict__.get("delegate") is not None):
+            # `weight * x.to(dtype)` promotes: the delegate's output dtype is not x's.
+            return "weight_dtype"
         return None
 
     def _context(self, weight_requires_grad):
@@ -376,28 +390,31 @@ class RMSNorm(torch.nn.RMSNorm):
         return self._forward(x)
 
     def _forward(self, x):
-        # torch has neither convention: with them, leanstep must run.
-        delegate_ok = not self.zero_centered_gamma and self.rounding == "scale_then_cast"
+        # torch's own forward has neither convention: with them, leanstep must run,
+        # unless the module was given the forward of its convention (`delegate`).
+        torch_convention = not self.zero_centered_gamma and self.rounding == "scale_then_cast"
+        delegate_ok = torch_convention or self.__dict__.get("delegate") is not None
         if self.enabled is not None and not self.enabled() and delegate_ok:
             # Switched off at run time (a crossover's baseline): torch's own path.
             self.__dict__["last_decision"] = {"path": "torch", "reason": "switched_off"}
-            return super().forward(x)
+            return self._delegate_forward(x)
         unsupported = self._unsupported(x)
         if unsupported is not None:
             if not delegate_ok:
                 raise ValueError(f"leanstep RMSNorm with zero_centered_gamma/rounding options "
                                  f"cannot run this call ({unsupported})")
             self.__dict__["last_decision"] = {"path": "torch", "reason": unsupported}
-            return super().forward(x)
+            return self._delegate_forward(x)
         weight_requires_grad = bool(torch.is_grad_enabled() and self.weight.requires_grad)
-        if (delegate_ok and x.device.type == "cpu" and not x.is_contiguous()
+        if (torch_convention and self.__dict__.get("delegate") is None
+                and x.device.type == "cpu" and not x.is_contiguous()
                 and not weight_requires_grad):
             # A strided input (q/k out of the fused qkv projection): leanstep would copy it
             # first, torch's fused CPU kernels read it in place. Measured on a 2-core AVX2
             # machine, fp32 [128, 2, 2, 32] views of [..., 96] rows, frozen, forward +
             # backward, one thread: torch 491 us, leanstep with the copy 609 us.
             self.__dict__["last_decision"] = {"path": "torch", "reason": "strided_input"}
-            return super().forward(x)
+            return self._delegate_forward(x)
         context = self._context(weight_requires_grad)
         decision = _decide(context)
         feature_declined = _decide(dict(context, weight_requires_grad=False))["path"] \
@@ -408,21 +425,22 @@ class RMSNorm(torch.nn.RMSNorm):
             # A feature leanstep does not model (autocast, hooks, compile,
             # offload, subclass): the original torch path runs.
             self.__dict__["last_decision"] = {"path": "torch", "reason": decision["explain"]}
-            return super().forward(x)
+            return self._delegate_forward(x)
         eps = self.eps if self.eps is not None else default_eps(x.dtype)
         route = _registry.route("rmsnorm.forward", [x, self.weight], ["x", "weight"],
                                 self.backend, "RMSNorm")
         chosen = route.backend
         self.__dict__["last_decision"] = {"path": decision["path"], "reason": decision["reason"],
                                           "backend": chosen}
+        caller_x = x  # the decision is keyed by the caller's layout (a strided one is copied)
         if not x.is_contiguous():
             x = x.contiguous()
-        if (getattr(self, "exact_forward", False) and delegate_ok
+        if (getattr(self, "exact_forward", False) and torch_convention
                 and decision["path"] == "frozen_fused" and x.dtype == self.weight.dtype):
             self.last_decision["forward"] = "torch_order"
             if chosen == "cpu" and type(self).forward is RMSNorm.forward:
                 # Decided: later calls with the same signature take _LeanPath.run.
-                self.__dict__["_lean"] = _LeanPath(self, x, float(eps), route.reason,
+                self.__dict__["_lean"] = _LeanPath(self, caller_x, float(eps), route.reason,
                                                    self.last_decision, exact=True)
             if not (torch.is_grad_enabled() and x.requires_grad):
                 return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], self.weight,
@@ -436,7 +454,7 @@ class RMSNorm(torch.nn.RMSNorm):
                                          self.rounding, _count_triton_backward)
         if type(self).forward is RMSNorm.forward:
             # Decided: later calls with the same signature take _LeanPath.run.
-            self.__dict__["_lean"] = _LeanPath(self, x, float(eps), route.reason,
+            self.__dict__["_lean"] = _LeanPath(self, caller_x, float(eps), route.reason,
                                                self.last_decision)
         if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             y = _fresh_like(x)
@@ -507,6 +525,8 @@ class _LeanPath:
         grad = torch.is_grad_enabled()
         if self.frozen_weight_only and grad and weight.requires_grad:
             return None
+        if not x.is_contiguous():  # a strided layout (q/k views) the full path decided to copy
+            x = x.contiguous()
         _backend.record("rmsnorm.forward", "cpu", "cpu", self.why)
         module.__dict__["last_decision"] = dict(self.decision)
         if self.exact:
