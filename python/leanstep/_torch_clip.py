@@ -75,12 +75,18 @@ def _refuse_dtensor(grads, where, arg):
                         f"torch.nn.utils.{where.split('.')[-1]} for DTensor grads")
 
 
+#: Whether DTensor grads raise (the drop-ins, called by name) or go to torch's
+#: own function (while :func:`install` has torch.nn.utils call leanstep: FSDP2's
+#: clipping through accelerate keeps working).
+_refuse_dtensors = True
+
+
 def _plan_for(grads, key, op, in_place):
     """(plan, None) or (None, reason): the reason sends the call to torch."""
     plan, reason = plans.get(grads, in_place=in_place, key=key)
     if reason is None and not plan.dtypes <= _PLANNED_DTYPES:
         reason = "dtype"
-    if reason == "tensor_subclass":
+    if reason == "tensor_subclass" and _refuse_dtensors:
         _refuse_dtensor(grads, f"leanstep.torch.{op}", "tensors" if op == "get_total_norm"
                         else "parameters")
     return plan, reason
@@ -200,6 +206,46 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                             "clip_grad_norm_")
         _clip_with_norm(grads, key, max_norm, total, foreach, "clip_grad_norm_")
         return total
+
+
+# ---------------------------------------------------------------- torch.nn.utils
+
+
+_TORCH_NAMES = ("clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_")
+_installed = []  # torch's functions while installed (a count of nested installs)
+
+
+def install():
+    """Makes ``torch.nn.utils.clip_grad_norm_``, ``get_total_norm`` and
+    ``clip_grads_with_norm_`` leanstep's, for code that calls them by name
+    (accelerate, and through it the HF Trainer); DTensor grads then go to
+    torch's own functions. Nested installs count; :func:`uninstall` undoes one."""
+    global _refuse_dtensors
+    utils = torch.nn.utils
+    if not _installed:
+        originals = {name: getattr(utils, name) for name in _TORCH_NAMES}
+        for name in _TORCH_NAMES:
+            setattr(utils, name, globals()[name])
+        _installed.append(originals)
+        _refuse_dtensors = False
+    else:
+        _installed.append(None)
+
+
+def uninstall():
+    global _refuse_dtensors
+    if not _installed:
+        return
+    originals = _installed.pop()
+    if originals is None:
+        return
+    for name, function in originals.items():
+        setattr(torch.nn.utils, name, function)
+    _refuse_dtensors = True
+
+
+def installed():
+    return bool(_installed)
 
 
 # ---------------------------------------------------------------- one buffer
