@@ -20,7 +20,6 @@ Bounds, and why (eps = the dtype's machine epsilon):
 """
 
 import importlib
-import math
 
 import pytest
 import torch

@@ -3,7 +3,9 @@
 - :func:`apply` / :func:`undo`: swap every RMSNorm of a loaded model (PEFT-
   wrapped or not) for leanstep's, with that class's exact arithmetic (see
   :mod:`leanstep.transformers.rmsnorm`); weights shared, state_dict keys
-  unchanged. Frozen weights (LoRA) take the frozen path: dx only.
+  unchanged. Frozen weights (LoRA) take the frozen path: dx only. Models
+  whose experts run through Transformers' ExpertsInterface get the "leanstep"
+  experts backend (:mod:`leanstep.transformers.experts`).
 - :class:`Callback`: one line for the HF Trainer and TRL's SFTTrainer,
   ``Trainer(..., callbacks=[leanstep.transformers.Callback()])``: applies the
   swap when training begins, clips with leanstep's ``clip_grad_norm_`` (torch's
@@ -32,6 +34,7 @@ class Report:
         self.swapped = {}
         self.left_alone = {}
         self.conventions = {}
+        self.experts = None  # (the experts implementation set, the one it replaced)
 
     @property
     def num_swapped(self):
@@ -39,7 +42,8 @@ class Report:
 
     def as_dict(self):
         return {"swapped": dict(self.swapped), "left_alone": dict(self.left_alone),
-                "conventions": dict(self.conventions), "num_swapped": self.num_swapped}
+                "conventions": dict(self.conventions), "num_swapped": self.num_swapped,
+                "experts": self.experts}
 
     def __str__(self):
         lines = [f"leanstep.transformers: {self.num_swapped} RMSNorm modules swapped"]
@@ -47,16 +51,31 @@ class Report:
             lines.append(f"  {name} x{n} ({self.conventions[name]} arithmetic)")
         for name, n in sorted(self.left_alone.items()):
             lines.append(f"  left alone: {name} x{n} (not in leanstep's table)")
+        if self.experts is not None:
+            lines.append(f"  experts: {self.experts[0]!r} (was {self.experts[1]!r})")
         return "\n".join(lines)
 
     __repr__ = __str__
 
 
-def apply(model, *, rms_norm=True):
-    """Swaps ``model``'s RMSNorm modules for leanstep's, in place; returns a
+# model -> the experts implementation apply() replaced
+_experts = weakref.WeakKeyDictionary()
+
+
+def apply(model, *, rms_norm=True, experts=True):
+    """Swaps ``model``'s RMSNorm modules for leanstep's, in place, and selects
+    the "leanstep" experts backend where the model has one to set; returns a
     :class:`Report`. Applying twice swaps nothing new; :func:`undo` restores
-    the original modules."""
+    the original modules and experts implementation."""
     report = Report()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    if experts and base not in _experts:
+        from . import experts as _experts_backend  # imports transformers
+
+        previous = _experts_backend.select(base)
+        if previous is not None:
+            _experts[base] = previous
+            report.experts = (_experts_backend.NAME, previous)
     if not rms_norm:
         return report
     done = _swaps.setdefault(model, [])
@@ -78,9 +97,15 @@ def apply(model, *, rms_norm=True):
 
 
 def undo(model):
-    """Puts back every module :func:`apply` swapped in ``model``; returns how
-    many. A swapped module that something replaced since is left as it is."""
+    """Puts back every module :func:`apply` swapped in ``model`` and the experts
+    implementation it replaced; returns how many modules. A swapped module that
+    something replaced since is left as it is."""
     restored = 0
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if base in _experts:
+        from . import experts as _experts_backend
+
+        _experts_backend.restore(base, _experts.pop(base))
     for parent, name, original, swapped in reversed(_swaps.pop(model, [])):
         if getattr(parent, name, None) is swapped:
             if original.weight is not swapped.weight:
