@@ -19,6 +19,12 @@ on an accelerator all of it. Cases:
   get_grad_norm_fp32, clip_grad_by_total_norm_fp32, count_zeros_fp32 (Megatron-
   Core's own, no TE or apex, against the patched ones on the CPU kernels and on
   the torch-op backend), and torch.nn.utils.clip_grad_norm_(foreach=True).
+- Hugging Face ("hf"): Qwen3RMSNorm and Gemma3RMSNorm (frozen, bf16, the two
+  conventions) against leanstep.transformers' swap of each, at the two RMSNorm
+  shapes; clip_grad_norm_ over a PEFT LoRA model's 672 grads (torch foreach,
+  leanstep over the same separate grads, leanstep over one GradBuffer); the
+  "leanstep" experts backend against "grouped_mm" and "eager" (Qwen3-MoE
+  experts, 512 tokens, H 256, 16 experts, top-4, bf16, fwd+bwd).
 
 Timing: rounds; in each round every variant of a case runs a block of calls
 (order rotated per round), and the block's median is that round's time. The
@@ -287,17 +293,118 @@ def bench_grad(table, args):
             lm.uninstall()
 
 
+# ---------------------------------------------------------------- Hugging Face
+
+
+def bench_hf(table, args):
+    """The HF RMSNorm classes (frozen, bf16) against leanstep's swap of each;
+    torch's clip_grad_norm_(foreach) over a PEFT LoRA model's grads against
+    leanstep's, over the same separate grads and over one GradBuffer; the
+    "leanstep" experts backend against "grouped_mm" and "eager"."""
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from leanstep.transformers import experts as lx
+    from leanstep.transformers import rmsnorm as hf_rmsnorm
+
+    for shape, small in [((128, 256), True), ((8192, 2048), False)]:
+        rounds, calls = (args.rounds, 50 if small else 2) if not args.quick else (3, 5 if small else 1)
+        width = shape[-1]
+        x = torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(*shape, dtype=torch.bfloat16)
+        for cls, center in ((Qwen3RMSNorm, 1.0), (Gemma3RMSNorm, 0.0)):
+            hf = cls(width, eps=1e-6).to(torch.bfloat16).requires_grad_(False)
+            with torch.no_grad():
+                hf.weight.normal_(center, 0.1)
+            ours = hf_rmsnorm.swap(hf)
+
+            def fwd_bwd(module):
+                def run(_):
+                    x.grad = None
+                    module(x).backward(dy)
+                return run
+
+            peer = f"{cls.__name__} (HF)"
+            results = measure({peer: fwd_bwd(hf), "leanstep.transformers swap": fwd_bwd(ours)},
+                              rounds, calls)
+            table.case("hf", f"{cls.__name__} frozen fwd+bwd {list(shape)} bf16", results, peer)
+
+    # Clip: a PEFT LoRA model's grads (r 8 on the seven projections of 48 layers: 672 tensors).
+    rounds, calls = (args.rounds, 10) if not args.quick else (3, 2)
+    torch.manual_seed(0)
+    config = tf.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=96,
+                            num_hidden_layers=48, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16)
+    model = get_peft_model(tf.Qwen3ForCausalLM(config), LoraConfig(
+        r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                             "down_proj"]))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.grad = torch.randn_like(p)
+    separate = [p.grad for p in trainable]
+    buffered_params = [torch.nn.Parameter(p.detach().clone()) for p in trainable]
+    for p, g in zip(buffered_params, separate):
+        p.grad = g.clone()
+    buffer = lt.GradBuffer(buffered_params)
+
+    def torch_foreach(_):
+        torch.nn.utils.clip_grad_norm_(trainable, 1e9, foreach=True)
+
+    def leanstep_separate(_):
+        lt.clip_grad_norm_(trainable, 1e9)
+
+    def leanstep_buffer(_):
+        lt.clip_grad_norm_(buffered_params, 1e9)
+
+    results = measure({"torch clip_grad_norm_(foreach)": torch_foreach,
+                       "leanstep.torch.clip_grad_norm_": leanstep_separate,
+                       "leanstep, grads in one GradBuffer": leanstep_buffer}, rounds, calls)
+    table.case("hf", f"clip_grad_norm_ PEFT LoRA grads ({len(trainable)} tensors)", results,
+               "torch clip_grad_norm_(foreach)")
+    del buffer
+
+    # Experts: one Qwen3-MoE experts module, forward + backward, bf16.
+    rounds, calls = (args.rounds, 5) if not args.quick else (3, 1)
+    lx.register()
+    moe_config = tf.Qwen3MoeConfig(vocab_size=64, hidden_size=256, moe_intermediate_size=128,
+                                   num_experts=16, num_experts_per_tok=4, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    moe_model = tf.Qwen3MoeForCausalLM(moe_config).to(torch.bfloat16)
+    experts = next(m for m in moe_model.modules() if type(m).__name__ == "Qwen3MoeExperts")
+    experts.requires_grad_(False)  # frozen experts, as under LoRA: dx and the routing grads
+    tokens = 512
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, 256, generator=g).to(torch.bfloat16).requires_grad_(True)
+    weights, index = torch.rand(tokens, 16, generator=g).softmax(-1).topk(4)
+    weights = weights.to(torch.bfloat16).requires_grad_(True)
+    dout = torch.randn(tokens, 256, generator=g).to(torch.bfloat16)
+
+    def experts_run(impl):
+        def run(_):
+            moe_model.config._experts_implementation_internal = impl
+            hidden.grad = weights.grad = None
+            experts(hidden, index, weights).backward(dout)
+        return run
+
+    results = measure({"grouped_mm (HF)": experts_run("grouped_mm"),
+                       "eager (HF)": experts_run("eager"),
+                       "leanstep experts backend": experts_run(lx.NAME)}, rounds, calls)
+    table.case("hf", f"experts fwd+bwd T{tokens} H256 E16 top4 bf16", results, "grouped_mm (HF)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
     ap.add_argument("--rounds", type=int, default=15, help="rounds per case (default 15)")
-    ap.add_argument("--only", default="rmsnorm,moe,grad", help="comma-separated benches")
+    ap.add_argument("--only", default="rmsnorm,moe,grad,hf", help="comma-separated benches")
     ap.add_argument("--json", action="store_true", help="JSON lines after the table")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     leanstep.set_num_threads(1)
     table = Table()
-    benches = {"rmsnorm": bench_rmsnorm, "moe": bench_moe, "grad": bench_grad}
+    benches = {"rmsnorm": bench_rmsnorm, "moe": bench_moe, "grad": bench_grad, "hf": bench_hf}
     for name in args.only.split(","):
         if name not in benches:
             ap.error(f"--only: unknown bench {name!r} (choose from {', '.join(benches)})")
