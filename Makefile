@@ -12,7 +12,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
 .PHONY: all sysdeps pydeps pydeps312 build python python312 test test-cpp test-python demo-host-bound \
-        test-python312 test-asan test-tsan test-fuzz test-aarch64 wheel test-wheel demo demo-cpp bench clean
+        test-python312 test-asan test-tsan test-fuzz test-aarch64 wheel test-wheel demo demo-cpp demo-hf bench clean
 
 all: build
 
@@ -149,6 +149,7 @@ else
 	@echo "NOT RUN: megatron-core 0.17+ (no Python 3.12 on this machine)"
 endif
 	$(MAKE) --no-print-directory demo-host-bound
+	$(MAKE) --no-print-directory demo-hf
 
 # The host-bound configuration of the main job (the seed's rank shape at tiny widths,
 # 816 LoRA tensors per rank): its crossover at EP 1 on each Megatron-Core line, where
@@ -166,6 +167,11 @@ endif
 # The C++ training step, the example for C++ callers of the library: the same
 # crossover on leanstep's own C++ model, 2 MPI ranks.
 DEMO_MPI := mpirun -np 2 --oversubscribe -x OMP_NUM_THREADS=1 -x OPENBLAS_NUM_THREADS=1
+# The Hugging Face example job: Qwen3-MoE LoRA on the HF Trainer, crossover of
+# leanstep's RMSNorm swap, clip and experts backend (about 30 s here).
+demo-hf: python
+	$(PY) -m leanstep.transformers.train --out $(DEMO_DIR)/transformers
+
 demo-cpp: build
 	@mkdir -p $(DEMO_DIR)/cpp
 	$(DEMO_MPI) $(BUILD)/release/leanstep train --config examples/tiny-moe/tiny.json \

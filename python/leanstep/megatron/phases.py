@@ -33,16 +33,13 @@ them back exactly on exit.
 """
 
 import sys
-import time
 
-import torch
-
-from .. import torch as lt
+from .. import _phase_timers
 from . import grad as _grad
 from . import moe as _moe
 
 GRAD_PHASE = "grad_norm_clip_s"
-RMSNORM_PHASE = "rmsnorm_s"
+RMSNORM_PHASE = _phase_timers.RMSNORM_PHASE
 MOE_PHASE = "moe_permute_s"
 PHASES = (GRAD_PHASE, RMSNORM_PHASE, MOE_PHASE)
 
@@ -52,141 +49,10 @@ _MOE_CALL_SITES = ("megatron.core.transformer.moe.token_dispatcher",
                    "megatron.core.transformer.moe.moe_utils")
 
 
-_ABSENT = object()
-
-
-class _Mark(torch.autograd.Function):
-    """Identity on tensors; its backward calls `hook` when autograd reaches it."""
-
-    @staticmethod
-    def forward(ctx, hook, *tensors):
-        ctx.hook = hook
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.hook()
-        return (None,) + grads
-
-
-def _mark(tensors, hook):
-    """`tensors` with the marks applied to those that require a gradient (the
-    others are returned as they are); None when none does."""
-    idx = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not idx or not torch.is_grad_enabled():
-        return None
-    marked = _Mark.apply(hook, *[tensors[i] for i in idx])
-    out = list(tensors)
-    for i, m in zip(idx, marked):
-        out[i] = m
-    return out
-
-
-class _BackwardSpan:
-    """One call's backward: starts when the first output gradient arrives, each
-    input gradient extends it; the time is added to the phase as it grows."""
-
-    def __init__(self, timers, phase):
-        self.timers, self.phase, self.last = timers, phase, None
-
-    def output_ready(self):
-        if self.last is None:
-            self.last = time.perf_counter()
-
-    def input_ready(self):
-        if self.last is None:  # no marked output reached (the outputs were unused)
-            return
-        now = time.perf_counter()
-        self.timers._add(self.phase, now - self.last)
-        self.last = now
-
-
-class PhaseTimers:
+class PhaseTimers(_phase_timers.PhaseTimers):
     """Timers around the phases leanstep changes (module docstring)."""
 
-    def __init__(self, model=None):
-        self.model = model
-        self._totals = dict.fromkeys(PHASES, 0.0)
-        self._depth = dict.fromkeys(PHASES, 0)
-        self._restore = []  # (owner, attr, previous value)
-        self._restore_instance = []  # (module, its own forward attribute or _ABSENT)
-        self.sites = {phase: [] for phase in PHASES}  # what is timed, for the report
-
-    # ------------------------------------------------------------ results
-
-    def reset(self):
-        for k in self._totals:
-            self._totals[k] = 0.0
-
-    def totals(self):
-        return dict(self._totals)
-
-    def _add(self, phase, seconds):
-        self._totals[phase] += seconds
-
-    # ------------------------------------------------------------ wrapping
-
-    def _timed(self, fn, phase, autograd):
-        timers = self
-
-        def timed(*args, **kwargs):
-            if timers._depth[phase]:  # nested: the outer call times it
-                return fn(*args, **kwargs)
-            span = _BackwardSpan(timers, phase) if autograd else None
-            if span is not None:
-                keys = list(kwargs)
-                marked = _mark(list(args) + [kwargs[k] for k in keys], span.input_ready)
-                if marked is not None:
-                    args = tuple(marked[:len(args)])
-                    kwargs = dict(zip(keys, marked[len(args):]))
-            timers._depth[phase] += 1
-            start = time.perf_counter()
-            try:
-                out = fn(*args, **kwargs)
-            finally:
-                timers._add(phase, time.perf_counter() - start)
-                timers._depth[phase] -= 1
-            if span is not None:
-                single = isinstance(out, torch.Tensor)
-                outs = (out,) if single else out
-                if isinstance(outs, tuple):
-                    marked = _mark(outs, span.output_ready)
-                    if marked is not None:
-                        out = marked[0] if single else type(out)(marked) if type(out) is tuple \
-                            else out
-            return out
-
-        timed.__wrapped__ = fn
-        return timed
-
-    def _wrap(self, owner, attr, phase, autograd, label):
-        fn = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
-        if fn is None:
-            return
-        self._restore.append((owner, attr, fn))
-        setattr(owner, attr, self._timed(fn, phase, autograd))
-        self.sites[phase].append(label)
-
-    def _wrap_functions(self, names, module_names, phase, autograd):
-        for module_name in module_names:
-            module = sys.modules.get(module_name)  # call sites that are loaded; none imported here
-            if module is None:
-                continue
-            for name in names:
-                if callable(getattr(module, name, None)):
-                    self._wrap(module, name, phase, autograd, f"{module_name}.{name}")
-
-    def _wrap_norms(self, model):
-        # The module's forward is wrapped per instance, not hooked: leanstep's RMSNorm
-        # hands a module with hooks to torch (a feature it does not model), so hooks
-        # would change what is timed.
-        for name, module in model.named_modules():
-            if not isinstance(module, (torch.nn.RMSNorm, lt.RMSNorm)):
-                continue
-            previous = module.__dict__.get("forward", _ABSENT)
-            self._restore_instance.append((module, previous))
-            module.forward = self._timed(module.forward, RMSNORM_PHASE, autograd=True)
-            self.sites[RMSNORM_PHASE].append(name or type(module).__name__)
+    PHASES = PHASES
 
     def __enter__(self):
         optimizer_modules = tuple(m for m in _grad.ALIAS_MODULES if m != _grad.CLIP_GRADS)
@@ -200,15 +66,3 @@ class PhaseTimers:
         if self.model is not None:
             self._wrap_norms(self.model)
         return self
-
-    def __exit__(self, *exc):
-        for owner, attr, fn in reversed(self._restore):
-            setattr(owner, attr, fn)
-        self._restore.clear()
-        for module, previous in reversed(self._restore_instance):
-            if previous is _ABSENT:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
-        self._restore_instance.clear()
-        return False

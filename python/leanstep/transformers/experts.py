@@ -18,7 +18,8 @@ from transformers.integrations import moe as _hf_moe
 
 from .. import torch as _lt
 
-__all__ = ["NAME", "register", "experts_forward", "supports", "select", "restore"]
+__all__ = ["NAME", "register", "experts_forward", "is_experts_module", "supports", "select",
+           "restore"]
 
 NAME = "leanstep"
 
@@ -70,13 +71,19 @@ def register():
     _hf_moe.ExpertsInterface.register(NAME, experts_forward)
 
 
+def is_experts_module(module):
+    """Whether ``module`` is an experts module of the ExpertsInterface (its class
+    decorated by Transformers' ``use_experts_implementation``)."""
+    return getattr(module, "_is_expert_parallel", None) is not None and \
+        hasattr(module, "num_experts")
+
+
 def supports(model):
     """Whether ``model`` runs its experts through the ExpertsInterface."""
     config = getattr(model, "config", None)
     return (config is not None and hasattr(config, "_experts_implementation")
             and hasattr(model, "set_experts_implementation")
-            and any(getattr(m, "_is_expert_parallel", None) is not None
-                    and hasattr(m, "num_experts") for m in model.modules()))
+            and any(map(is_experts_module, model.modules())))
 
 
 def select(model):
