@@ -269,6 +269,11 @@ def agreement(args):
             "losses": logged}
 
 
+def interval(comparison):
+    low, high = comparison.get("ci_low"), comparison.get("ci_high")
+    return "no interval" if low is None or high is None else f"[{100 * low:+.1f}%, {100 * high:+.1f}%]"
+
+
 def verdict(comparison):
     low, high = comparison.get("ci_low"), comparison.get("ci_high")
     if low is None or high is None:
@@ -291,17 +296,12 @@ def format_results(r):
              f"{r['settings']['batch']} x {r['settings']['seq']} tokens",
              f"  {r['report']}".replace("\n", "\n  "),
              "  step duration per condition (after warm-up), s:"]
-    for c in xo.get("conditions", []):
-        lines.append(f"    {c['condition']:<9} median {c.get('median_s', float('nan')):.4f}")
+    lines += [f"    {c['condition']:<9} median {c.get('median_s', math.nan):.4f}"
+              for c in xo.get("conditions", [])]
     lines.append("  paired same-position reductions vs baseline (geometric mean of ratios, "
                  "95% CI over runs; positive = faster):")
-    for c in xo.get("comparisons", []):
-        if c.get("versus") != "baseline":
-            continue
-        interval = ("no interval" if c["ci_low"] is None or c["ci_high"] is None
-                    else f"[{100 * c['ci_low']:+.1f}%, {100 * c['ci_high']:+.1f}%]")
-        lines.append(f"    {c['condition']:<9} {100 * c['reduction']:+6.1f}%  {interval}  "
-                     f"{verdict(c)}")
+    lines += [f"    {c['condition']:<9} {100 * c['reduction']:+6.1f}%  {interval(c)}  {verdict(c)}"
+              for c in xo.get("comparisons", []) if c.get("versus") == "baseline"]
     fields = [f for f in xo.get("fields", []) if f["field"] in PHASE_LABELS]
     if fields:
         lines.append("  per phase (summed over the step; median, paired reduction vs baseline, "
@@ -313,10 +313,9 @@ def format_results(r):
         for c in f["comparisons"]:
             if c.get("versus", "baseline") != "baseline" or c.get("reduction") is None:
                 continue
-            interval = ("no interval" if c["ci_low"] is None or c["ci_high"] is None
-                        else f"[{100 * c['ci_low']:+.1f}%, {100 * c['ci_high']:+.1f}%]")
-            lines.append(f"      {c['condition']:<9} {1e3 * (medians.get(c['condition']) or math.nan):8.2f} ms"
-                         f"  {100 * c['reduction']:+6.1f}%  {interval}")
+            median = medians.get(c["condition"]) or math.nan
+            lines.append(f"      {c['condition']:<9} {1e3 * median:8.2f} ms  "
+                         f"{100 * c['reduction']:+6.1f}%  {interval(c)}")
     ag = r["agreement"]
     lines.append(f"  agreement over {ag['steps']} steps, all vs baseline: loss max relative "
                  f"difference {ag['loss_max_rel']:.2e}, grad norm {ag['grad_norm_max_rel']:.2e}")
