@@ -69,8 +69,8 @@ def apply(model, *, rms_norm=True, experts=True):
     the original modules and experts implementation."""
     report = Report()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
-    if experts and base not in _experts:
-        from . import experts as _experts_backend  # imports transformers
+    if experts and base not in _experts and hasattr(base, "set_experts_implementation"):
+        from . import experts as _experts_backend  # imports transformers: an HF model has it
 
         previous = _experts_backend.select(base)
         if previous is not None:
