@@ -63,7 +63,9 @@ class GradPlan:
         torch = torch_module()
         if torch is not None and isinstance(grads, torch.Tensor):
             grads = [grads]
-        self._grads = [view(g) for g in grads]
+        # view() of each grad, inlined: a plan over thousands of grads is built whenever
+        # their addresses change (fresh grads each step), and this is its per-grad cost.
+        self._grads = [g.detach() if getattr(g, "requires_grad", False) else g for g in grads]
         self._buffers = [view(b) for b in buffers]
         self._like = self._grads[0] if self._grads else like
         like_arg = [like] if not self._grads and is_torch(like) else []  # an empty list's device
