@@ -289,3 +289,37 @@ def moe_hostile_calls(torch_gen, device="cpu"):
                                                 backend=b),
          r"sort_chunks_by_idxs: argument 'rows' must be a contiguous tensor with a row dim"),
     ]
+
+
+class UndoImportPatches:
+    """Puts back, on exit, what importing ms-swift (and mcore_bridge, which its
+    Megatron side imports) patches process-wide in Transformers and PEFT and
+    what this suite's other tests rely on: the HF Trainer's default callbacks
+    (ms-swift's need its own TrainingArguments), and PEFT LoRA's
+    dispatch_megatron and LoraModel.__init__ (mcore_bridge's dispatcher tests
+    Transformer Engine classes, None without TE). TEST-ONLY: the other tests
+    in this process then see the libraries as installed."""
+
+    _TRAINER_NAMES = ("DEFAULT_CALLBACKS", "DEFAULT_PROGRESS_CALLBACK", "PrinterCallback")
+
+    def __enter__(self):
+        import importlib
+
+        self._trainer = importlib.import_module("transformers.trainer")
+        self._trainer_values = {n: getattr(self._trainer, n) for n in self._TRAINER_NAMES}
+        self._lora = importlib.import_module("peft.tuners.lora.model")
+        self._dispatch = self._lora.dispatch_megatron
+        self._lora_class = dict(vars(self._lora.LoraModel))
+        return self
+
+    def __exit__(self, *exc):
+        for name, value in self._trainer_values.items():
+            setattr(self._trainer, name, value)
+        self._lora.dispatch_megatron = self._dispatch
+        cls = self._lora.LoraModel
+        for name, value in list(vars(cls).items()):
+            if name not in self._lora_class:
+                delattr(cls, name)  # what a patch added (an __init__, a flag)
+            elif value is not self._lora_class[name]:
+                setattr(cls, name, self._lora_class[name])
+        return False

@@ -26,6 +26,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 import torch  # noqa: E402
 
+from helpers import UndoImportPatches  # noqa: E402
+
 import leanstep  # noqa: E402
 import leanstep.megatron as lm  # noqa: E402
 import leanstep.megatron.swift as ls  # noqa: E402
@@ -73,6 +75,11 @@ def swift_callbacks():
     absent; no product code ever sees the placeholder."""
     for name in ["megatron.core", *PRE_IMPORT]:
         importlib.import_module(name)
+    with UndoImportPatches():
+        yield from _swift_megatron_callbacks()
+
+
+def _swift_megatron_callbacks():
     if importlib.util.find_spec("transformer_engine") is not None:  # a real TE: no placeholder
         try:
             yield importlib.import_module("swift.megatron.callbacks")

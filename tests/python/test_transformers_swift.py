@@ -23,6 +23,7 @@ pytest.importorskip("swift")
 
 import leanstep.transformers.swift as lts  # noqa: E402
 import hf_models  # noqa: E402
+from helpers import UndoImportPatches  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not {"rmsnorm", "grad"} <= set(leanstep.areas),
                                 reason="rmsnorm or grad not built")
@@ -31,9 +32,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PLUGIN = ROOT / "examples" / "swift" / "leanstep_hf_plugin.py"
 
 
-def test_register_is_idempotent_and_refuses_a_foreign_entry():
-    from swift.callbacks import callbacks_map
+@pytest.fixture
+def swift_callbacks_map():
+    """ms-swift's callbacks_map, imported here with its process-wide patches of
+    Transformers and PEFT undone afterwards (helpers.UndoImportPatches)."""
+    with UndoImportPatches():
+        from swift.callbacks import callbacks_map
 
+        yield callbacks_map
+
+
+def test_register_is_idempotent_and_refuses_a_foreign_entry(swift_callbacks_map):
+    callbacks_map = swift_callbacks_map
     had = dict(callbacks_map)
     try:
         callbacks_map.pop(lts.NAME, None)
