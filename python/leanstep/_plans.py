@@ -37,7 +37,8 @@ def grads_with_key(params, attr="grad"):
 
 
 class PlanCache:
-    """GradPlans for the grad lists Megatron passes each step.
+    """GradPlans for the grad lists a training loop passes each step
+    (Megatron's clip_grads, the HF Trainer's clip through accelerate).
 
     A plan is found by what decides the memory it covers: every grad's
     address, shape, strides and dtype, and the device. The cache keeps plans

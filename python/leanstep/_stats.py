@@ -6,7 +6,8 @@ import os
 
 from . import _leanstep
 
-__all__ = ["step_summaries", "compare_runs", "crossover_analysis", "crossover_plan"]
+__all__ = ["step_summaries", "compare_runs", "crossover_analysis", "crossover_plan",
+           "crossover_steps"]
 
 
 def _paths(paths):
@@ -51,3 +52,13 @@ def crossover_plan(conditions, runs, block_steps, warmup, allocations=(),
     return json.loads(_leanstep.stats_crossover_plan_json(
         [str(c) for c in conditions], int(runs), int(block_steps), int(warmup),
         [str(a) for a in allocations], int(exclude_after_transition), int(cycles)))
+
+
+def crossover_steps(plan, run_index):
+    """[(condition, block)] of every step of one run of a :func:`crossover_plan`
+    plan: the warm-up steps run block 0's condition."""
+    run = plan["runs"][run_index]
+    steps = [(run["blocks"][0], 0)] * plan["warmup"]
+    for block, condition in enumerate(run["blocks"]):
+        steps += [(condition, block)] * plan["block_steps"]
+    return steps

@@ -98,3 +98,19 @@ def lora(model, seed=0):
             if "lora_B" in name:
                 p.normal_(0.0, 0.2)
     return wrapped
+
+
+def word_tokenizer(words, specials=(), pad_token="t0", eos_token="t1"):
+    """A word-level tokenizer built here (no download): "t0" .. "t<words-1>"
+    as ids 0 .. words-1, then ``specials``, split on whitespace."""
+    import transformers as tf
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {f"t{i}": i for i in range(words)}
+    vocab.update({special: words + i for i, special in enumerate(specials)})
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = Whitespace()
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=pad_token,
+                                      eos_token=eos_token)

@@ -63,22 +63,12 @@ def test_register_is_idempotent_and_refuses_a_foreign_entry(swift_callbacks_map)
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    import transformers as tf
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
     folder = tmp_path_factory.mktemp("tiny_qwen3_moe")
     model, _ = hf_models.tiny_model("qwen3_moe", layers=2)
     words = 120
-    vocab = {f"t{i}": i for i in range(words)}
-    for i, special in enumerate(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "user",
-                                 "assistant", "system"]):
-        vocab[special] = words + i
-    tokenizer = Tokenizer(WordLevel(vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>",
-                                           eos_token="<|im_end|>")
+    tokenizer = hf_models.word_tokenizer(
+        words, ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "user", "assistant", "system"],
+        pad_token="<|endoftext|>", eos_token="<|im_end|>")
     tokenizer.chat_template = (
         "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
         "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")

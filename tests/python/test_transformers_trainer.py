@@ -92,7 +92,7 @@ def test_trl_sft_trainer_takes_the_callback():
     def run(callbacks):
         model, _ = hf_models.tiny_model("qwen3_moe", layers=2)
         model = hf_models.lora(model)
-        tokenizer = _tiny_tokenizer()
+        tokenizer = hf_models.word_tokenizer(hf_models.TINY["vocab_size"])
         args = arguments(trl.SFTConfig, dataset_kwargs={"skip_prepare_dataset": True},
                          remove_unused_columns=False)
         trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data,
@@ -110,12 +110,3 @@ def _collate(rows):
     ids = torch.tensor([r["input_ids"] for r in rows])
     return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
 
-
-def _tiny_tokenizer():
-    """A word-level tokenizer over the tiny vocabulary, built here (no download)."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-
-    vocab = {f"t{i}": i for i in range(hf_models.TINY["vocab_size"])}
-    return tf.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")),
-                                      pad_token="t0", eos_token="t1")

@@ -32,7 +32,6 @@ first microbatch hash of every rank, and writes them as JSON (``--out``).
 """
 
 import argparse
-import contextlib
 import gc
 import hashlib
 import json
@@ -485,15 +484,6 @@ def base_checksum(model):
     return h.hexdigest()[:16]
 
 
-def plan_steps(plan, run_index):
-    """[(condition, block)] of every step of a run: warm-up steps run block 0's condition."""
-    run = plan["runs"][run_index]
-    steps = [(run["blocks"][0], 0)] * plan["warmup"]
-    for block, condition in enumerate(run["blocks"]):
-        steps += [(condition, block)] * plan["block_steps"]
-    return steps
-
-
 def pin_to_core(local_rank):
     """Binds this rank to one CPU of those it may use (local rank i gets the i-th,
     round robin): no migration between cores in a timed step, and the two ranks
@@ -553,7 +543,7 @@ def run_ep(args, ep, rank, world, say):
                 result["num_trainable_params"] = trainer.lora.num_params
                 result["num_trainable_tensors"] = trainer.lora.num_tensors
             current = None
-            steps = plan_steps(plan, run_index)
+            steps = leanstep.crossover_steps(plan, run_index)
             # The phase timers wrap what install() put in place, and leave before anything
             # else touches those attributes.
             gc.collect()

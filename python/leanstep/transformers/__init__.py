@@ -62,13 +62,19 @@ class Report:
 _experts = weakref.WeakKeyDictionary()
 
 
+def _base_model(model):
+    """The transformers model under a PEFT wrapper (the one whose config holds
+    the experts implementation); the model itself otherwise."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def apply(model, *, rms_norm=True, experts=True):
     """Swaps ``model``'s RMSNorm modules for leanstep's, in place, and selects
     the "leanstep" experts backend where the model has one to set; returns a
     :class:`Report`. Applying twice swaps nothing new; :func:`undo` restores
     the original modules and experts implementation."""
     report = Report()
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    base = _base_model(model)
     if experts and base not in _experts and hasattr(base, "set_experts_implementation"):
         from . import experts as _experts_backend  # imports transformers: an HF model has it
 
@@ -101,7 +107,7 @@ def undo(model):
     implementation it replaced; returns how many modules. A swapped module that
     something replaced since is left as it is."""
     restored = 0
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _base_model(model)
     if base in _experts:
         from . import experts as _experts_backend
 

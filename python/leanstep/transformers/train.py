@@ -215,13 +215,12 @@ def run_crossover(args, plan, log_path, say):
                       "allocation": self.run["allocation"], **self.timers.totals()}
             self.log.write(json.dumps(record) + "\n")
 
-    report = None
+    report = lora_tensors = None
     with open(log_path, "w") as log:
         for run_index, run in enumerate(plan["runs"]):
-            steps = [(run["blocks"][0], 0)] * plan["warmup"]
-            for block, condition in enumerate(run["blocks"]):
-                steps += [(condition, block)] * plan["block_steps"]
+            steps = leanstep.crossover_steps(plan, run_index)
             model = build_model(args, seed=run_index)
+            lora_tensors = sum(1 for p in model.parameters() if p.requires_grad)
             conditions = Conditions(model)
             report = conditions.report
             try:
@@ -232,7 +231,7 @@ def run_crossover(args, plan, log_path, say):
                 conditions.close()
             log.flush()
             say(f"{run['run']}: {len(steps)} steps, blocks {' '.join(run['blocks'])}")
-    return report
+    return report, lora_tensors
 
 
 def agreement(args):
@@ -344,7 +343,8 @@ def main(argv=None):
         json.dump(plan, f, indent=1)
     log_dir = os.path.join(args.out, "crossover")
     os.makedirs(log_dir, exist_ok=True)
-    report = run_crossover(args, plan, os.path.join(log_dir, "steps.rank0.jsonl"), say)
+    report, lora_tensors = run_crossover(args, plan, os.path.join(log_dir, "steps.rank0.jsonl"),
+                                         say)
     plots = {"steps": os.path.join(args.out, "steps.svg"),
              "reductions": os.path.join(args.out, "reductions.svg")}
     crossover = leanstep.crossover_analysis(
@@ -352,7 +352,6 @@ def main(argv=None):
         reductions_plot=plots["reductions"],
         title=f"HF Trainer, Qwen3-MoE LoRA, transformers {transformers.__version__}: "
               f"step and phases")
-    lora_tensors = sum(1 for p in build_model(args).parameters() if p.requires_grad)
     results = {"versions": {"transformers": transformers.__version__, "peft": peft.__version__,
                             "torch": torch.__version__, "leanstep": leanstep.__version__},
                "settings": vars(args), "lora_tensors": lora_tensors, "report": str(report),
