@@ -3,9 +3,14 @@
 peers, side by side in one process, one thread.
 
     python bench/host_overhead.py [--quick] [--only rmsnorm,moe,grad] [--json]
+    python bench/host_overhead.py --device cuda --only rmsnorm,moe,grad   # a GPU
 
 At these sizes the kernels are small: what a call costs is mostly host time,
-on an accelerator all of it. Cases:
+on an accelerator all of it. With ``--device cuda`` the same cases run on the
+GPU (leanstep's default there is Triton after its self-check; run again with
+LEANSTEP_TRITON=off for the torch-op backend): a call's time is then the host
+time to enqueue it, the device synchronized after each block of calls,
+outside the timer. Cases:
 
 - RMSNorm, frozen weight, bf16: [128, 256] (the main job's shape) forward +
   backward and forward under no_grad; [8192, 2048] forward + backward (the
@@ -57,7 +62,17 @@ import leanstep  # noqa: E402
 import leanstep.megatron as lm  # noqa: E402
 import leanstep.megatron.cpu as mcpu  # noqa: E402
 import leanstep.torch as lt  # noqa: E402
+from leanstep import _backend  # noqa: E402
 from leanstep.megatron import grad as lm_grad  # noqa: E402
+
+
+DEVICE = torch.device("cpu")
+
+
+def sync():
+    """Waits for the device after a block of calls (outside the timer)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def measure(variants, rounds, calls, setup=None):
@@ -70,6 +85,7 @@ def measure(variants, rounds, calls, setup=None):
     for name in names:  # warm-up: caches, allocator, decisions
         for _ in range(3):
             variants[name](setup(name) if setup else None)
+    sync()
     # No garbage collection inside a timed call (as Megatron's --manual-gc): a
     # collection would land in whichever call crosses the threshold. The
     # setups' garbage is collected between rounds.
@@ -86,6 +102,7 @@ def measure(variants, rounds, calls, setup=None):
                     variants[name](arg)
                     times.append(time.perf_counter() - t0)
                     del arg
+                sync()
                 out[name].append(statistics.median(times))
             gc.collect()
     finally:
@@ -140,10 +157,12 @@ def bench_rmsnorm(table, args):
     for shape, small in shapes:
         rounds, calls = (args.rounds, 50 if small else 2) if not args.quick else (3, 5 if small else 1)
         width = shape[-1]
-        x = torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(*shape, dtype=torch.bfloat16)
-        peer = torch.nn.RMSNorm(width, eps=1e-6, dtype=torch.bfloat16).requires_grad_(False)
-        ours = lt.RMSNorm(width, eps=1e-6, dtype=torch.bfloat16).requires_grad_(False)
+        x = torch.randn(*shape, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+        dy = torch.randn(*shape, dtype=torch.bfloat16, device=DEVICE)
+        peer = torch.nn.RMSNorm(width, eps=1e-6, dtype=torch.bfloat16,
+                                device=DEVICE).requires_grad_(False)
+        ours = lt.RMSNorm(width, eps=1e-6, dtype=torch.bfloat16,
+                          device=DEVICE).requires_grad_(False)
         weight = peer.weight.detach()
 
         def fwd_bwd(module):
@@ -184,14 +203,16 @@ def bench_moe(table, args):
         if not small and args.quick:
             continue
         g = torch.Generator().manual_seed(0)
-        tokens = torch.randn(tokens_n, hidden, dtype=torch.bfloat16, generator=g)
+        tokens = torch.randn(tokens_n, hidden, dtype=torch.bfloat16, generator=g).to(DEVICE)
         tokens.requires_grad_(True)
         scores = torch.rand(tokens_n, experts, generator=g)
         routing_map = torch.zeros(tokens_n, experts, dtype=torch.bool).scatter_(
             1, scores.topk(topk, dim=1).indices, True)
-        probs = torch.where(routing_map, scores, 0.0).to(torch.bfloat16).requires_grad_(True)
+        probs = torch.where(routing_map, scores, 0.0).to(torch.bfloat16)
         num_out = int(routing_map.sum())
-        dout = torch.randn(tokens_n, hidden, dtype=torch.bfloat16, generator=g)
+        routing_map = routing_map.to(DEVICE)
+        probs = probs.to(DEVICE).requires_grad_(True)
+        dout = torch.randn(tokens_n, hidden, dtype=torch.bfloat16, generator=g).to(DEVICE)
 
         def megatron(_):
             permuted, _, idx = moe_utils.permute(tokens, routing_map, probs=probs,
@@ -214,13 +235,13 @@ def bench_moe(table, args):
 
 @contextlib.contextmanager
 def one_rank_group():
-    """bench/peers.py's one-rank gloo group, destroyed afterwards."""
+    """bench/peers.py's one-rank group (gloo; nccl on a GPU), destroyed afterwards."""
     if torch.distributed.is_initialized():
         yield
         return
     from peers import init_process_group  # this script's folder is on sys.path
 
-    init_process_group()
+    init_process_group("nccl" if DEVICE.type == "cuda" else "gloo")
     try:
         yield
     finally:
@@ -238,8 +259,8 @@ def bench_grad(table, args):
     original = {name: getattr(clip_grads, name) for name in names}
     lm.install(list(names))
     patched = {name: getattr(clip_grads, name) for name in names}
-    buf = torch.randn(views_n * numel)
-    params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(views_n)]
+    buf = torch.randn(views_n * numel, device=DEVICE)
+    params = [torch.nn.Parameter(torch.zeros(numel, device=DEVICE)) for _ in range(views_n)]
 
     def fresh_views(_name=None):
         views = [buf[i * numel:(i + 1) * numel] for i in range(views_n)]
@@ -256,7 +277,10 @@ def bench_grad(table, args):
                 lm_grad.plans.backend = None
         return run
 
-    with one_rank_group(), mcpu.megatron_on_cpu():
+    # Megatron's helpers assume CUDA: on the CPU, leanstep.megatron.cpu's shims answer them.
+    shims = mcpu.megatron_on_cpu() if DEVICE.type == "cpu" else contextlib.nullcontext()
+    default = "CPU kernels" if DEVICE.type == "cpu" else "default backend"
+    with one_rank_group(), shims:
         parallel_state.initialize_model_parallel(1, 1)
         group = parallel_state.get_data_parallel_group()
         try:
@@ -269,7 +293,7 @@ def bench_grad(table, args):
             for name in names:
                 variants = {
                     "megatron (no TE/apex)": calls_of[name](original[name]),
-                    "leanstep patch, CPU kernels": calls_of[name](patched[name]),
+                    f"leanstep patch, {default}": calls_of[name](patched[name]),
                     "leanstep patch, torch-op backend": with_backend(calls_of[name](patched[name]),
                                                                      "torch"),
                 }
@@ -398,9 +422,27 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
     ap.add_argument("--rounds", type=int, default=15, help="rounds per case (default 15)")
-    ap.add_argument("--only", default="rmsnorm,moe,grad,hf", help="comma-separated benches")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated benches (default rmsnorm,moe,grad,hf; on cuda no hf)")
     ap.add_argument("--json", action="store_true", help="JSON lines after the table")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (default) or cuda: where the tensors live (hf runs on cpu only)")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if args.only is None:
+        args.only = "rmsnorm,moe,grad" + (",hf" if DEVICE.type == "cpu" else "")
+    if DEVICE.type not in ("cpu", "cuda"):
+        ap.error(f"--device must be cpu or cuda (got {args.device!r})")
+    if DEVICE.type == "cuda":
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: torch sees no CUDA device")
+        torch.cuda.set_device(0)
+        if "hf" in args.only.split(","):
+            ap.error("--device cuda: the hf bench runs on the CPU only (use --only rmsnorm,moe,grad)")
+        print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                          "triton_default": _backend.triton_automatic()}),
+              file=sys.stderr)
     torch.set_num_threads(1)
     leanstep.set_num_threads(1)
     table = Table()

@@ -187,7 +187,7 @@ def megatron_on_cpu():
         yield
 
 
-def init_process_group():
+def init_process_group(backend="gloo"):
     if torch.distributed.is_initialized():
         return
     with socket.socket() as s:
@@ -195,7 +195,7 @@ def init_process_group():
         port = s.getsockname()[1]
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    torch.distributed.init_process_group(backend, rank=0, world_size=1)
 
 
 class Param:
