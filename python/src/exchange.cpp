@@ -58,9 +58,21 @@ const ExchangeApi* lookup(PyTypeObject* type) {
 // The key of a list: a byte string of every tensor's description, and a
 // 64-bit hash of it (the cache's dict is keyed by the hash; a hit compares the
 // bytes, a memcmp: exact, and cheaper than Python hashing the bytes anew).
+//
+// Records, each led by a tag word (so the string parses one way only: the key
+// is exact):
+//   kFull:     tag, address, byte offset, device, dtype|ndim, shape..., strides (or ~0)
+//   kAdjacent: tag|ndim, shape...      (ndim != 1)
+//   kAdjacent1: tag|numel              (1-d, numel < 2^56)
+// An adjacent record stands for a compact row-major tensor of the previous
+// one's device and dtype that starts, at byte offset 0, where the previous
+// one, compact too, ends: the common grad list, fresh views laid end to end in
+// one buffer, then costs one word a view instead of seven. Every fact of a
+// full record follows from the previous record and the shape, so two lists
+// have equal keys exactly when every tensor's facts are equal.
 class KeyBuilder {
  public:
-  explicit KeyBuilder(size_t n) { words_.reserve(n * kWordsPerTensor); }
+  explicit KeyBuilder(size_t n) { words_.reserve(n + 8); }
 
   // False when `obj` cannot be described (the caller keys the list in Python).
   bool add(PyObject* obj) {
@@ -75,18 +87,49 @@ class KeyBuilder {
       PyErr_Clear();
       return false;
     }
-    word(reinterpret_cast<uintptr_t>(t.data));
-    word(t.byte_offset);
-    word((static_cast<uint64_t>(static_cast<uint32_t>(t.device.device_type)) << 32) |
-         static_cast<uint32_t>(t.device.device_id));
-    word((static_cast<uint64_t>(t.dtype.code) << 56) | (static_cast<uint64_t>(t.dtype.bits) << 48) |
-         (static_cast<uint64_t>(t.dtype.lanes) << 32) | static_cast<uint32_t>(t.ndim));
-    for (int d = 0; d < t.ndim; ++d) word(static_cast<uint64_t>(t.shape[d]));
-    if (t.strides == nullptr) {
-      word(~uint64_t{0});  // compact row-major: no strides given
-    } else {
-      for (int d = 0; d < t.ndim; ++d) word(static_cast<uint64_t>(t.strides[d]));
+    const uint64_t address = reinterpret_cast<uintptr_t>(t.data);
+    const uint64_t device = (static_cast<uint64_t>(static_cast<uint32_t>(t.device.device_type)) << 32) |
+                            static_cast<uint32_t>(t.device.device_id);
+    const uint64_t dtype = (static_cast<uint64_t>(t.dtype.code) << 56) |
+                           (static_cast<uint64_t>(t.dtype.bits) << 48) |
+                           (static_cast<uint64_t>(t.dtype.lanes) << 32);
+    // Compact row-major (strides absent or the canonical ones) and its numel.
+    bool compact = t.ndim >= 0;
+    uint64_t numel = 1;
+    int64_t stride = 1;
+    for (int d = t.ndim - 1; compact && d >= 0; --d) {
+      if (t.shape[d] < 0 || (t.strides != nullptr && t.strides[d] != stride)) compact = false;
+      stride *= t.shape[d];
+      numel *= static_cast<uint64_t>(t.shape[d]);
     }
+    const uint64_t element_bits = static_cast<uint64_t>(t.dtype.bits) * t.dtype.lanes;
+    if (element_bits % 8 != 0) compact = false;  // sub-byte dtypes: no byte end
+    const bool adjacent = have_previous_ && previous_compact_ && compact && t.byte_offset == 0 &&
+                          address == previous_end_ && device == previous_device_ &&
+                          dtype == previous_dtype_;
+    if (adjacent && t.ndim == 1 && numel < (uint64_t{1} << 56)) {
+      word(kAdjacent1 | numel);
+    } else if (adjacent) {
+      word(kAdjacent | static_cast<uint32_t>(t.ndim));
+      for (int d = 0; d < t.ndim; ++d) word(static_cast<uint64_t>(t.shape[d]));
+    } else {
+      word(kFull);
+      word(address);
+      word(t.byte_offset);
+      word(device);
+      word(dtype | static_cast<uint32_t>(t.ndim));
+      for (int d = 0; d < t.ndim; ++d) word(static_cast<uint64_t>(t.shape[d]));
+      if (t.strides == nullptr) {
+        word(~uint64_t{0});  // compact row-major: no strides given
+      } else {
+        for (int d = 0; d < t.ndim; ++d) word(static_cast<uint64_t>(t.strides[d]));
+      }
+    }
+    have_previous_ = true;
+    previous_compact_ = compact;
+    previous_end_ = address + t.byte_offset + numel * (element_bits / 8);
+    previous_device_ = device;
+    previous_dtype_ = dtype;
     return true;
   }
 
@@ -96,7 +139,9 @@ class KeyBuilder {
   }
 
  private:
-  static constexpr size_t kWordsPerTensor = 8;
+  static constexpr uint64_t kFull = uint64_t{0xF1} << 56;
+  static constexpr uint64_t kAdjacent = uint64_t{0xA2} << 56;
+  static constexpr uint64_t kAdjacent1 = uint64_t{0xA1} << 56;
 
   void word(uint64_t v) {
     words_.push_back(v);
@@ -110,6 +155,11 @@ class KeyBuilder {
   uint64_t hash_ = 0x243F6A8885A308D3ull;
   PyTypeObject* last_type_ = nullptr;
   const ExchangeApi* api_ = nullptr;
+  bool have_previous_ = false;
+  bool previous_compact_ = false;
+  uint64_t previous_end_ = 0;
+  uint64_t previous_device_ = 0;
+  uint64_t previous_dtype_ = 0;
 };
 
 // (hash, key) of a list or tuple of tensors, or None when some element cannot

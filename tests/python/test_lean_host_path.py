@@ -226,6 +226,61 @@ def test_keys_are_exact_under_random_views(torch_gen, rng):
     assert any(keys[i] == keys[j] for i in range(len(keys)) for j in range(i))  # some equal
 
 
+def test_keys_are_exact_for_views_laid_end_to_end(torch_gen, rng):
+    # Grad lists as a DDP buffer gives them: views end to end, which the key writes in one
+    # word each (a record "adjacent to the previous"). Perturbed lists (a gap, an overlap, a
+    # 2-d or strided view, a dtype, a second buffer) must key alike exactly when every
+    # view's address, dtype, shape and strides are alike.
+    bufs = [torch.zeros(512), torch.zeros(512)]
+
+    def end_to_end_list():
+        views, start = [], int(rng.integers(0, 3))
+        which = int(rng.integers(0, 2))
+        buf = bufs[which]
+        for _ in range(int(rng.integers(0, 7))):
+            n = int(rng.integers(0, 9))
+            kind = int(rng.integers(0, 10))
+            if kind == 0:
+                start += int(rng.integers(-2, 3))  # a gap or an overlap
+                start = max(start, 0)
+            view = buf[start:start + n]
+            if kind == 1 and n % 2 == 0 and n:
+                view = view.view(2, n // 2)
+            elif kind == 2 and n % 2 == 0 and n:
+                view = view.view(2, n // 2).t()  # same memory, strides differ
+            elif kind == 3:
+                view = view.view(torch.int32)
+            elif kind == 4:
+                which = 1 - which  # the same offsets in the other buffer
+                buf = bufs[which]
+                view = buf[start:start + n]
+            elif kind == 5:
+                view = buf[start:start + 2 * n:2]
+            views.append(view)
+            start += n
+        return views
+
+    lists = [end_to_end_list() for _ in range(400)]
+    meta = [tuple((v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype) for v in lst)
+            for lst in lists]
+    keys = [_leanstep.tensor_list_key(lst)[1] for lst in lists]
+    equal = 0
+    for i in range(len(lists)):
+        for j in range(i + 1, len(lists)):
+            assert (keys[i] == keys[j]) == (meta[i] == meta[j]), (meta[i], meta[j])
+            equal += keys[i] == keys[j]
+    assert equal > 0
+    # A fresh list of fresh views of one buffer keys alike, in one word a view after the
+    # first (the key's size is part of what this test pins: a record per view is 8 bytes).
+    buf = bufs[0]
+    a = [buf[i * 16:(i + 1) * 16] for i in range(32)]
+    b = [buf[i * 16:(i + 1) * 16] for i in range(32)]
+    assert _leanstep.tensor_list_key(a) == _leanstep.tensor_list_key(b)
+    assert len(_leanstep.tensor_list_key(a)[1]) == 8 * (7 + 31)
+    b[17] = buf[17 * 16 + 1:18 * 16 + 1]  # one view moved by an element
+    assert _leanstep.tensor_list_key(a)[1] != _leanstep.tensor_list_key(b)[1]
+
+
 # ---------------------------------------------------------------- MoE permute / unpermute
 
 

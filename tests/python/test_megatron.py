@@ -225,6 +225,26 @@ def test_grad_norm_of_a_single_tensor_and_empty_list(patched, megatron_on_cpu, t
     assert clip_grads.get_grad_norm_fp32([]) == ORIGINALS["get_grad_norm_fp32"]([]) == 0.0
 
 
+def test_grad_norm_takes_a_generator_also_where_it_falls_back(patched, megatron_on_cpu,
+                                                              torch_gen):
+    # The patch makes a list of the argument once: a generator is read once, and a list
+    # leanstep does not plan (a tensor subclass) goes to Megatron's own code as that list.
+    grads = [torch.randn(17, generator=torch_gen) for _ in range(3)]
+    expected = ORIGINALS["get_grad_norm_fp32"](list(grads))
+    assert float(clip_grads.get_grad_norm_fp32(g for g in grads)) == pytest.approx(expected,
+                                                                                   rel=1e-6)
+    class Marked(torch.Tensor):
+        pass
+
+    marked = [g.as_subclass(Marked) for g in grads]
+    before = dict(lm.report()["calls"]["get_grad_norm_fp32"])
+    assert float(clip_grads.get_grad_norm_fp32(g for g in marked)) == pytest.approx(expected,
+                                                                                    rel=1e-6)
+    after = lm.report()["calls"]["get_grad_norm_fp32"]
+    assert after["delegated"]["tensor_subclass"] == \
+        before.get("delegated", {}).get("tensor_subclass", 0) + 1, after
+
+
 def test_inf_norm_with_an_empty_grad_works(patched, megatron_on_cpu, torch_gen):
     _, grads = make_buffer_grads(torch_gen)
     with pytest.raises(RuntimeError):
