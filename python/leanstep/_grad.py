@@ -283,7 +283,10 @@ class GradPlan:
         if plan is not None:
             plan.scale(_maybe_view(scale))
             return
-        self._core.scale(_as_scalar_array(scale, self._like, "scale"))
+        if isinstance(scale, numbers.Real):
+            self._core.scale_by(float(scale))
+            return
+        self._core.scale(view(scale))
 
     def count_zeros(self, *, out=None):
         """Sum over the grads of (numel - count_nonzero), a 1-element int64 array."""

@@ -217,6 +217,17 @@ void bind_grad(nb::module_& m) {
           },
           nb::arg("scale"))
       .def(
+          "scale_by",
+          // A host number: rounded to fp32 here as a 1-element fp32 array would hold it,
+          // with no array made for it (no framework call on the host path).
+          [](const grad::Plan& p, double scale) {
+            float value = static_cast<float>(scale);
+            const Tensor st(&value, DType::kFloat32, {1});
+            nb::gil_scoped_release release;
+            ops::grad_scale(p, st);
+          },
+          nb::arg("scale"))
+      .def(
           "count_zeros",
           [](const grad::Plan& p, OutArray out_count) {
             const Tensor ct = to_tensor(out_count, "out_count");
