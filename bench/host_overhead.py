@@ -215,8 +215,8 @@ def bench_moe(table, args):
         dout = torch.randn(tokens_n, hidden, dtype=torch.bfloat16, generator=g).to(DEVICE)
 
         def megatron(_):
-            permuted, _, idx = moe_utils.permute(tokens, routing_map, probs=probs,
-                                                 num_out_tokens=num_out)
+            out = moe_utils.permute(tokens, routing_map, probs=probs, num_out_tokens=num_out)
+            permuted, idx = out[0], out[2]  # 0.16 returns 3 values, 0.17+ 5
             moe_utils.unpermute(permuted, idx, tokens.shape, probs=probs,
                                 routing_map=routing_map).backward(dout)
 

@@ -14,7 +14,11 @@
 #      torch-op backend, torch clip_grad_norm_ foreach, Megatron-Core), frozen RMSNorm
 #      [8192, 2048] bf16 (vs torch.nn.functional.rms_norm), MoE permute / unpermute
 #      T 4096 E 128 k 8 H 2048 (vs Megatron-Core): ms, launches, syncs, share of the copy
-#      bandwidth measured in the same run.
+#      bandwidth measured in the same run;
+#   3. bench/host_overhead.py --device cuda: leanstep's host time per call at the main job's
+#      sizes beside its peers, on the Triton kernels and (LEANSTEP_TRITON=off) on the torch-op
+#      backend (the MoE and grad cases need megatron-core; without it, RMSNorm only), in
+#      what is left of the budget.
 #
 # Usage: scripts/gpu-check.sh [--cpu-smoke] [--wheel WHEEL] [OUT_DIR]  (default: gpu-check-out)
 #   --wheel WHEEL: the leanstep wheel for that Python (make wheel: build/wheel/*-cp312-*.whl),
@@ -26,9 +30,10 @@
 #   triton, numpy and pytest; megatron-core is optional (its variants are then skipped).
 #   The compiled extension for that Python must be in python/leanstep/ (an ignored build
 #   output: bring it along, e.g. python/leanstep/_leanstep.cpython-312-x86_64-linux-gnu.so).
-# Writes OUT_DIR/env.txt, hostcost.txt, step.txt, tests.txt, bench.txt, gpu_check.json. Exit status: 0 when the
-# environment, the launch and sync cost, the tests and the benchmark all succeed; else the
-# first failure's.
+# Writes OUT_DIR/env.txt, hostcost.txt, step.txt, tests.txt, bench.txt, gpu_check.json,
+# host.txt. Exit status: 0 when the environment, the launch and sync cost, the tests and the
+# benchmark all succeed; else the first failure's (the host-time step is reported, not
+# counted: it runs only in what time is left).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 SMOKE=0
@@ -182,7 +187,37 @@ else
         2>&1 | tee "$OUT/bench.txt"
     bench_rc=${PIPESTATUS[0]}
 fi
-echo "== summary: launch/sync cost rc $cost_rc, sync-free step rc $step_rc, tests rc $tests_rc, benchmark rc $bench_rc, $(elapsed)s in all; files in $OUT"
+LEFT=$(( BUDGET - $(elapsed) ))
+host_rc=skipped
+if [ "$LEFT" -lt 40 ]; then
+    echo "gpu-check: ${LEFT}s left, too little for the host time per call"
+else
+    echo "== host time per call (limit ${LEFT}s)"
+    if "$PY" -c "import megatron.core.transformer.moe.moe_utils" > /dev/null 2>&1; then
+        HOST_ONLY=rmsnorm,moe,grad
+    else
+        HOST_ONLY=rmsnorm  # the MoE and grad cases' peers are Megatron-Core's
+    fi
+    if [ "$SMOKE" -eq 1 ]; then
+        HOST_ARGS=(--device cpu --quick --only "$HOST_ONLY")
+    else
+        HOST_ARGS=(--device cuda --rounds 7 --only "$HOST_ONLY")
+    fi
+    # Half of what is left for each backend: the Triton kernels (the default on a GPU),
+    # then the torch-op backend.
+    HALF=$(( LEFT / 2 ))
+    {
+        echo "### leanstep default (Triton after its self-check)"
+        timeout "$HALF" "$PY" bench/host_overhead.py "${HOST_ARGS[@]}" 2>&1
+        echo "rc $?"
+        echo "### LEANSTEP_TRITON=off (the torch-op backend)"
+        LEANSTEP_TRITON=off timeout "$HALF" "$PY" bench/host_overhead.py "${HOST_ARGS[@]}" 2>&1
+        echo "rc $?"
+    } > "$OUT/host.txt"
+    host_rc=$(grep -c '^rc 0$' "$OUT/host.txt")/2
+    grep -v '^  ' "$OUT/host.txt"
+fi
+echo "== summary: launch/sync cost rc $cost_rc, sync-free step rc $step_rc, tests rc $tests_rc, benchmark rc $bench_rc, host time runs ok $host_rc, $(elapsed)s in all; files in $OUT"
 for rc in "$cost_rc" "$step_rc" "$tests_rc" "$bench_rc"; do
     [ "$rc" -ne 0 ] && exit "$rc"
 done
