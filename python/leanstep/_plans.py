@@ -15,12 +15,22 @@ from .backends.torch_grad import PLAN_DTYPES
 if "grad" in _leanstep.areas:  # a build without the grad area plans nothing
     from ._grad import GradPlan, fingerprint
 
-__all__ = ["PlanCache", "grads_with_key", "EMPTY_LIKE"]
+__all__ = ["PlanCache", "as_list", "grads_with_key", "EMPTY_LIKE"]
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _dtype = operator.attrgetter("dtype")
 _grad_of = operator.attrgetter("grad")
 EMPTY_LIKE = torch.empty(0)  # results of an empty grad list are torch tensors too
+
+
+def as_list(tensors):
+    """The caller's list itself (the gradient functions read it and keep
+    nothing of it past the call: no copy of thousands of entries per call), a
+    single tensor as a list, any other iterable copied (a generator is read
+    once, here)."""
+    if type(tensors) is list:
+        return tensors
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
 def grads_with_key(params, attr="grad"):

@@ -32,7 +32,7 @@ import torch
 from torch.nn.utils import clip_grad as _torch_clip_grad
 
 from ._leanstep import Error
-from ._plans import PlanCache, grads_with_key
+from ._plans import PlanCache, as_list, grads_with_key
 
 __all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_", "GradBuffer"]
 
@@ -166,10 +166,8 @@ class _Holder:
 
 
 def _as_list(parameters):
-    if isinstance(parameters, torch.Tensor):
-        return [parameters]
     is_generator = isinstance(parameters, types.GeneratorType)
-    parameters = list(parameters)
+    parameters = as_list(parameters)
     if is_generator and not parameters:
         warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
                       stacklevel=3)
@@ -180,7 +178,7 @@ def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=Non
     """``torch.nn.utils.get_total_norm``: the norm of the tensors viewed as one
     vector, a 0-dim tensor of torch's dtype on the first tensor's device."""
     with torch.no_grad():
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        tensors = as_list(tensors)
         return _total_norm(tensors, None, norm_type, error_if_nonfinite, foreach,
                            "get_total_norm")
 

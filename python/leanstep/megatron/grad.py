@@ -18,7 +18,7 @@ import torch
 
 from .. import _dispatch
 from .._leanstep import grads_and_key
-from .._plans import PlanCache, grads_with_key
+from .._plans import PlanCache, as_list, grads_with_key
 from . import _patching
 from ._patching import EMPTY, Spec, Variant
 
@@ -53,15 +53,6 @@ def all_reduce(tensor, op, group):
         torch.distributed.all_reduce(tensor, op=op, group=group)
 
 
-def _as_list(tensors):
-    """The caller's list itself (read, never kept past the call: no copy of
-    thousands of entries per call), a single tensor as a list, any other
-    iterable copied."""
-    if type(tensors) is list:
-        return tensors
-    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-
-
 def _device_tag(plan):
     device = plan._device
     return plan.backend, (device.type if device is not None else "cpu")
@@ -78,7 +69,7 @@ def _make_get_grad_norm_fp32(original, spec):
         if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return original(grads_for_norm, norm_type, grad_stats_parallel_group)
-        grads = _as_list(grads_for_norm)
+        grads = as_list(grads_for_norm)
         plan, reason = plans.get(grads)
         if reason is not None:
             _patching.count(spec.name, reason=reason)
@@ -134,7 +125,7 @@ def _make_clip_grad_by_total_norm_fp32(original, spec):
         if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return original(parameters, max_norm, total_norm, use_decoupled_grad)
-        params = _as_list(parameters)
+        params = as_list(parameters)
         attr = "decoupled_grad" if use_decoupled_grad else "grad"
         grads, key = grads_with_key(params, attr)
         allowed = _DECOUPLED_DTYPES if use_decoupled_grad else _GRAD_DTYPES
@@ -285,7 +276,7 @@ def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
         @functools.wraps(original)
         def count_zeros_fp32(parameters, grad_stats_parallel_group, use_decoupled_grad=False,
                              tp_group=None, expert_tp_group=None):
-            params = _as_list(parameters)
+            params = as_list(parameters)
             attr = "decoupled_grad" if use_decoupled_grad else "grad"
             return run(params, grad_stats_parallel_group, attr, tp_group, expert_tp_group,
                        lambda: original(params, grad_stats_parallel_group, use_decoupled_grad,
@@ -294,7 +285,7 @@ def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
         @functools.wraps(original)
         def count_zeros_fp32(parameters, grad_stats_parallel_group, use_decoupled_grad=False,
                              tp_group=None):
-            params = _as_list(parameters)
+            params = as_list(parameters)
             attr = "decoupled_grad" if use_decoupled_grad else "grad"
             return run(params, grad_stats_parallel_group, attr, tp_group, None,
                        lambda: original(params, grad_stats_parallel_group, use_decoupled_grad,
