@@ -144,3 +144,65 @@ def test_a_re_pointed_or_resized_grad_is_refused(backend, change):
         plan.norm()
     with pytest.raises(leanstep.Error, match="re-pointed or resized"):
         plan.clip_(1.0, torch.ones(1))
+
+
+# ---------------------------------------------------------------- what a device's kernels lack
+
+
+@pytest.mark.parametrize("dname", sorted(FLOATS))
+@pytest.mark.parametrize("op", ["unscale", "scale", "clip"])
+def test_the_device_formulations_match_the_cpu_path_bit_for_bit(dname, op, monkeypatch,
+                                                                  torch_gen):
+    """On CUDA, ``_amp_foreach_non_finite_check_and_unscale_`` has no bf16
+    kernel, and ``_foreach_mul_`` by an fp32 0-d tensor casts it to an fp16 or
+    bf16 view's dtype first (both measured on an H200). The torch-op backend
+    then forms the products in fp32 itself. Those formulations, forced here on
+    CPU tensors, must give the C++ path's bits and flag: the harness layout
+    (a view listed twice, an overlap, a strided view, a second storage), a
+    non-finite value included."""
+    from leanstep.backends import torch_grad
+
+    case = named_case("grad.norm", f"{dname}-views-p2")
+    scale = 0.7308  # not a power of two: every product is rounded
+
+    def run(device_formulations):
+        with monkeypatch.context() as m:
+            if device_formulations:
+                m.setattr(torch_grad, "_amp_unscale_takes_bf16", lambda device_type: False)
+                m.setattr(torch_grad, "_foreach_scale_reads_fp32", lambda device_type: False)
+            gen = torch.Generator().manual_seed(int(torch_gen.initial_seed()))
+            buffers, layout = grad_layout(case, gen)
+            buffers[0].view(-1)[3] = math.inf if op == "unscale" else buffers[0].view(-1)[3]
+            views = grad_views(buffers, layout)
+            plan = leanstep.GradPlan(views, backend="torch" if device_formulations else None)
+            flag = torch.zeros(1)
+            if op == "unscale":
+                plan.unscale_(scale, found_inf=flag)
+            elif op == "scale":
+                plan.scale_(torch.tensor([scale]))
+            else:
+                plan.clip_(1.0, torch.tensor([1.0 / scale - 1e-6]))
+            return buffers, flag
+
+    expected, expected_flag = run(False)
+    got, flag = run(True)
+    for a, b in zip(got, expected):
+        assert_bitwise(a, b)
+    assert_bitwise(flag, expected_flag)
+    if op == "unscale":
+        assert flag.item() == 1.0
+
+
+def test_a_plan_names_its_device_as_its_tensors_do(monkeypatch):
+    """torch.device("cuda") means the current device, but a tensor there says
+    cuda:0, and the two compare unequal: a plan built for the former refused
+    its own found_inf (first seen on an H200, where the Triton self-check
+    failed on it and the Triton grad kernels were never chosen)."""
+    from leanstep.backends import torch_grad
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert torch_grad.canonical_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert torch_grad.canonical_device("cuda:1") == torch.device("cuda", 1)
+    assert torch_grad.canonical_device(torch.device("cpu")) == torch.device("cpu")
+    assert torch_grad.canonical_device("meta") == torch.device("meta")
+    assert torch_grad.TorchGradPlan([], torch.device("cuda")).device == torch.device("cuda", 3)

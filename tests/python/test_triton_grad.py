@@ -137,9 +137,13 @@ def test_one_launch_per_pass_on_any_layout(op, layout):
 
 
 def test_an_empty_plan_answers_on_the_device_of_like():
-    empty = leanstep.GradPlan([], backend="triton", like=dev(torch.zeros(1)))
+    like = dev(torch.zeros(1))
+    empty = leanstep.GradPlan([], backend="triton", like=like)
     norm, flag = empty.norm()
-    assert norm.device == flag.device == empty.count_zeros().device == DEVICE
+    # like.device, not DEVICE: a tensor names its device with an index ("cuda:0"),
+    # and torch.device("cuda") compares unequal to it.
+    assert norm.device == flag.device == empty.count_zeros().device == like.device
+    assert norm.device.type == DEVICE.type
 
 
 # ---------------------------------------------------------------- mixed dtypes in one launch

@@ -11,10 +11,12 @@ every operation is a handful of foreach ops over those views:
   has it), then one reduction; found_inf from the same values, never a host
   comparison;
 - unscale + found_inf: ``_amp_foreach_non_finite_check_and_unscale_`` (reads
-  each value, flags non-finite inputs, writes the unscaled value: one pass),
-  then the norm pass;
+  each value, flags non-finite inputs, writes the unscaled value: one pass;
+  bf16 views off the CPU, which its CUDA kernel does not take: max |x| for
+  the flag, then the scale), then the norm pass;
 - clip: the coefficient ``clamp(max_norm / (norm + 1e-6), max=1)`` stays a
-  device tensor; ``_foreach_mul_`` scales in place (fp32 math, one rounding);
+  device tensor; ``_foreach_mul_`` scales in place (fp32 math, one rounding;
+  fp16 and bf16 views off the CPU through fp32 copies, see ``_scale_in_place``);
 - count_zeros: ``count_nonzero`` per view, summed in int64.
 
 A view covered by k listed grads is counted k times by norms and zero counts
@@ -38,6 +40,19 @@ def dtype_name(dtype):
     return str(dtype).removeprefix("torch.")
 
 
+def canonical_device(device):
+    """``device`` as tensors name it: ``torch.device("cuda")`` means the current
+    device, while a tensor on it reports ``cuda:0``, and the two compare
+    unequal. A plan keeps the indexed form, so its checks and outputs agree
+    with the tensors it is given."""
+    device = torch.device(device)
+    if device.index is None and device.type not in ("cpu", "meta"):
+        current = getattr(getattr(torch, device.type, None), "current_device", None)
+        if current is not None:
+            return torch.device(device.type, current())
+    return device
+
+
 def _has_float64(device):
     return device.type != "mps"
 
@@ -55,7 +70,7 @@ class TorchGradPlan:
     views. Built once per grad list; every operation is sync-free."""
 
     def __init__(self, grads, device, where="GradPlan"):
-        self.device = device
+        self.device = device = canonical_device(device)
         self.grads = grads
         storages = {}  # storage identity -> (index, {dtype: list index of a grad there}, storage)
         layout = []
@@ -202,9 +217,10 @@ class TorchGradPlan:
         torch.maximum(found_inf, value.mul(0.0).ne(0.0), out=found_inf)
 
     def scale_views(self, scale):
+        """x = cast(float(x) * scale) in place, ``scale`` a 0-d fp32 device tensor."""
         for grp in self.groups:
             for _ in range(grp.multiplicity):
-                torch._foreach_mul_(grp.views, scale)
+                _scale_in_place(grp.views, scale)
 
     @staticmethod
     def _result(total, out):
@@ -247,8 +263,16 @@ class TorchGradPlan:
         # Checks every value before scaling it, then writes it scaled:
         # found_inf is OR-ed into (never reset), as the CPU path does.
         for grp in self.groups:
+            amp, other = _split_for_amp_unscale(grp.views)
             for _ in range(grp.multiplicity):
-                torch._amp_foreach_non_finite_check_and_unscale_(grp.views, found_inf, inv)
+                if amp:
+                    torch._amp_foreach_non_finite_check_and_unscale_(amp, found_inf, inv)
+                if other:
+                    # The same pass in two steps: the flag from max |x| (NaN and inf
+                    # propagate through it), then the fp32 product rounded once.
+                    self._flag_into(torch.stack(torch._foreach_norm(other, float("inf")))
+                                    .amax(0, keepdim=True), found_inf)
+                    _scale_in_place(other, inv.view(()))
 
     def clip(self, total_norm, max_norm, coeff_out):
         """Scales every grad by clamp(max_norm / (norm + 1e-6), max=1) and
@@ -295,6 +319,56 @@ class TorchGradPlan:
             return zeros
         out.copy_(zeros)
         return out
+
+
+def _amp_unscale_takes_bf16(device_type):
+    return device_type == "cpu"
+
+
+def _foreach_scale_reads_fp32(device_type):
+    """Whether ``_foreach_mul_(views, fp32 0-d tensor)`` multiplies fp16/bf16
+    views by the fp32 value itself (the CPU's kernels) rather than by it cast
+    to the view's dtype."""
+    return device_type == "cpu"
+
+
+def _split_for_amp_unscale(views):
+    """(views torch's ``_amp_foreach_non_finite_check_and_unscale_`` takes,
+    the rest): its CPU kernel takes every float dtype, its CUDA kernel (and
+    other devices', by assumption) not bfloat16."""
+    if not views or _amp_unscale_takes_bf16(views[0].device.type):
+        return views, []
+    amp = [v for v in views if v.dtype != torch.bfloat16]
+    if len(amp) == len(views):
+        return views, []
+    return amp, [v for v in views if v.dtype == torch.bfloat16]
+
+
+def _scale_in_place(views, scale):
+    """x = cast(float(x) * scale) in place for every view, ``scale`` a 0-d fp32
+    tensor on the views' device, never read on the host. fp32 views take one
+    foreach launch. For fp16 and bf16 views, a device's foreach multiply by a
+    tensor of another dtype falls back to per-tensor ``mul_``, which casts the
+    scale to the view's dtype first (measured on CUDA: the products then
+    differ by an ulp from the CPU path's); so the products are formed in fp32
+    and rounded once on the copy back. fp64 views get ``double(scale)``, exact.
+    On the CPU the per-tensor kernels read a 0-d tensor as an fp32 scalar:
+    one foreach call, as before."""
+    if not views:
+        return
+    if _foreach_scale_reads_fp32(views[0].device.type):
+        torch._foreach_mul_(views, scale)
+        return
+    low = [v for v in views if v.dtype in (torch.float16, torch.bfloat16)]
+    rest = [v for v in views if v.dtype not in (torch.float16, torch.bfloat16)] \
+        if low else views
+    if rest:
+        torch._foreach_mul_(rest, scale)
+    if low:
+        wide = [v.float() for v in low]
+        torch._foreach_mul_(wide, scale)
+        for v, w in zip(low, wide):
+            v.copy_(w)
 
 
 def multi_tensor_scale(src, dst, scale, found_inf, device):

@@ -372,8 +372,8 @@ class TritonGradPlan:
     def __init__(self, grads, device, where="GradPlan", *, chunk=None, block=None,
                  max_programs=None):
         _check_device(device, where)
-        self.device = device
         self.torch_plan = tp = TorchGradPlan(grads, device, where)
+        self.device = device = tp.device  # indexed, as the tensors name it
         self.core = tp.core
         default_chunk, default_block = defaults(device)
         self.chunk = int(chunk or default_chunk)
