@@ -344,12 +344,18 @@ def test_the_report_names_the_reads_left(installed):
     assert "reads of device memory left per iteration" in lm.format_report()
 
 
-def test_the_masked_update_and_the_loss_scale_run_on_meta_tensors():
-    # Meta tensors hold no data: any host read raises. Both run to the end.
-    params = [torch.nn.Parameter(torch.empty(7, device="meta")) for _ in range(3)]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("foreach_reference", [False, True], ids=["cpu-order", "cuda-order"])
+def test_the_masked_update_and_the_loss_scale_run_on_meta_tensors(dtype, foreach_reference,
+                                                                   monkeypatch):
+    # Meta tensors hold no data: any host read raises. Both run to the end, in the
+    # update's CPU order and in the order CUDA's foreach Adam rounds it (its branch
+    # runs nowhere but on a GPU otherwise).
+    monkeypatch.setattr(lstep, "_foreach_reference", lambda device_type: foreach_reference)
+    params = [torch.nn.Parameter(torch.empty(7, device="meta", dtype=dtype)) for _ in range(3)]
     opt = torch.optim.AdamW(params, foreach=False, weight_decay=0.1)
     for p in params:
-        p.grad = torch.empty(7, device="meta")
+        p.grad = torch.empty(7, device="meta", dtype=dtype)
     found = torch.empty(1, device="meta")
     with leanstep.audit() as first:
         lstep.masked_adam_step(opt, found)

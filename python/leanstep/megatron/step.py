@@ -298,7 +298,8 @@ def masked_adam_step(inner, found_inf):
     ``fused=True``: torch's fused kernel given ``found_inf`` (it skips and takes
     the step counters back), through the class's own ``step`` (its hooks run
     once; an instance-level shadow of ``step`` is not re-entered). Otherwise
-    torch's for-loop arithmetic, op for op, with the step counters moved to the
+    the arithmetic of torch's default for the device (the for-loop on the CPU;
+    on CUDA the foreach implementation, whose update rounds differently), with the step counters moved to the
     device (they count only taken steps) and the bias corrections computed
     there in float64, as torch computes them in Python floats from its host
     counters; the new moments and parameters are committed with ``torch.where``
@@ -405,11 +406,51 @@ def _bias_corrections(group, step_t):
     f64 = torch.float64
     beta1, beta2 = group["betas"]
     step = step_t.to(f64)
-    b1 = torch.tensor(beta1, dtype=f64, device=step.device)
-    b2 = torch.tensor(beta2, dtype=f64, device=step.device)
-    half = torch.tensor(0.5, dtype=f64, device=step.device)
-    step_size = group["lr"] / (1 - torch.pow(b1, step))
+    # torch.full fills on the device: torch.tensor(x, device=...) would copy from
+    # the host, a copy that waits for the device.
+    b1 = torch.full((), beta1, dtype=f64, device=step.device)
+    b2 = torch.full((), beta2, dtype=f64, device=step.device)
+    half = torch.full((), 0.5, dtype=f64, device=step.device)
+    # lr / x as one division (a Python number over a tensor would be lr * (1 / x):
+    # two roundings).
+    step_size = torch.full((), group["lr"], dtype=f64, device=step.device).div_(
+        1 - torch.pow(b1, step))
     return step_size, torch.pow(1 - torch.pow(b2, step), half)
+
+
+def _foreach_reference(device_type):
+    """Whether torch's Adam on this device runs its foreach implementation by
+    default (CUDA: ``foreach=None`` picks it; measured on an H200, the default
+    equals ``foreach=True`` bit for bit) rather than the for-loop (the CPU).
+    The two round the update differently: CUDA's ``addcdiv`` computes
+    ``p + value * (m / d)``, the CPU's ``p + value * m / d``."""
+    return device_type == "cuda"
+
+
+def _apply_update(params, exp_avgs, denoms, step_size, dtype, math_dtype, foreach_reference):
+    """params + (-step_size) * exp_avgs / denoms, rounded as torch's Adam on
+    the device rounds it (see :func:`_foreach_reference`); ``step_size`` a 0-d
+    float64 device tensor, ``denoms`` already in the params' dtype."""
+    low_precision = math_dtype is not dtype
+    if foreach_reference:
+        # addcdiv on CUDA: p + s * (m / d), the quotient rounded in the op-math
+        # type and the product-sum one fused multiply-add; addcmul(p, q, s) is
+        # that same fma (measured equal to addcdiv on an H200).
+        value = (-step_size).to(math_dtype)
+        if low_precision:
+            quotients = [m.to(math_dtype) / d.to(math_dtype) for m, d in zip(exp_avgs, denoms)]
+            return [torch.addcmul(p.to(math_dtype), q, value).to(dtype)
+                    for p, q in zip(params, quotients)]
+        quotients = torch._foreach_div(exp_avgs, denoms)
+        return [torch.addcmul(p, q, value) for p, q in zip(params, quotients)]
+    if low_precision:
+        updates = _foreach_scalar("mul", [e.to(math_dtype) for e in exp_avgs],
+                                  (-step_size).to(math_dtype))
+        torch._foreach_div_(updates, [d.to(math_dtype) for d in denoms])
+        return [(p.to(math_dtype) + u).to(dtype) for p, u in zip(params, updates)]
+    updates = _foreach_scalar("mul", exp_avgs, (-step_size).to(dtype))
+    torch._foreach_div_(updates, denoms)
+    return torch._foreach_add(params, updates)
 
 
 def _masked_group_foreach(group, params, grads, exp_avgs, exp_avg_sqs, step_t, skip, is_adamw):
@@ -444,16 +485,11 @@ def _masked_group_foreach(group, params, grads, exp_avgs, exp_avg_sqs, step_t, s
         _foreach_scalar("div_", wide, bias_correction2_sqrt.to(math_dtype))
         denoms = [d.to(dtype) for d in wide]
         denoms = [(d.to(math_dtype) + eps).to(dtype) for d in denoms]
-        updates = _foreach_scalar("mul", [e.to(math_dtype) for e in new_exp_avgs],
-                                  (-step_size).to(math_dtype))
-        torch._foreach_div_(updates, [d.to(math_dtype) for d in denoms])
-        new_params = [(p.to(math_dtype) + u).to(dtype) for p, u in zip(new_params, updates)]
     else:
         _foreach_scalar("div_", denoms, bias_correction2_sqrt.to(dtype))
         torch._foreach_add_(denoms, eps)
-        updates = _foreach_scalar("mul", new_exp_avgs, (-step_size).to(dtype))
-        torch._foreach_div_(updates, denoms)
-        new_params = torch._foreach_add(new_params, updates)
+    new_params = _apply_update(new_params, new_exp_avgs, denoms, step_size, dtype, math_dtype,
+                               _foreach_reference(params[0].device.type))
     for old, new in zip(exp_avgs, new_exp_avgs):
         torch.where(skip, old, new, out=old)
     for old, new in zip(exp_avg_sqs, new_exp_avg_sqs):
