@@ -139,3 +139,59 @@ def test_exact_forward_is_bit_identical_to_torch_rmsnorm(dtype, backend, torch_g
     rstd = torch.ops.aten._fused_rms_norm(x, [320], ref.weight, 1e-6)[1]
     assert_rmsnorm_backward(x2.grad, dy, x, rstd, ref.weight)
     assert_rmsnorm_backward(x1.grad, dy, x, rstd, ref.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_device_with_native_fused_autograd_runs_torchs_op_decided_once(dtype, monkeypatch):
+    """Where torch's fused op has the device's own kernels and derivative
+    (CUDA), the frozen call is that op under autograd: no Python autograd
+    Function, dx only. Forced here on meta (whose forward is a composite).
+    The module decides once: the second call takes the cached path, counted
+    and explained the same way; a hook sends a call back to the full path."""
+    from leanstep.backends import torch_rmsnorm
+
+    monkeypatch.setattr(torch_rmsnorm, "fused_has_native_autograd", lambda device_type: True)
+    m = lt.RMSNorm(256, eps=1e-6, device="meta", dtype=dtype).requires_grad_(False)
+    x = torch.empty(8, 256, device="meta", dtype=dtype, requires_grad=True)
+    dy = torch.empty(8, 256, device="meta", dtype=dtype)
+    before = leanstep.paths()["ops"]["rmsnorm.forward"].get("calls", {}).get("torch", {})
+    for call in range(2):
+        with leanstep.audit() as a:
+            y = m(x)
+            assert y.grad_fn is not None and "Backward" in type(y.grad_fn).__name__
+            assert not isinstance(y.grad_fn, torch.autograd.function.BackwardCFunction)
+            y.backward(dy)
+        assert a.num_syncs == 0 and a.num_host_reads == 0, a.format_table()
+        assert m.weight.grad is None and x.grad.shape == x.shape
+        assert m.last_decision["backend"] == "torch"
+        assert "_lean" in m.__dict__  # decided by the first call, taken by the second
+    after = leanstep.paths()["ops"]["rmsnorm.forward"]["calls"]["torch"]
+    assert after.get("meta", 0) - before.get("meta", 0) == 2
+    handle = m.register_forward_pre_hook(lambda mod, args: None)
+    try:
+        assert m.__dict__["_lean"].run(m, x) is None  # a hook: the full path decides
+    finally:
+        handle.remove()
+
+
+def test_the_automatic_choice_prefers_torchs_fused_kernels_to_triton(monkeypatch):
+    """Measured on an H200: torch's fused CUDA RMSNorm beats leanstep's Triton
+    kernels (see _TORCH_FUSED_WHY). Where the automatic choice would be
+    Triton and torch has native fused kernels for the call, torch's run;
+    conventions torch has no kernel for, and a forced backend, keep Triton."""
+    from leanstep import _registry
+    from leanstep.backends import torch_rmsnorm
+
+    monkeypatch.setattr(torch_rmsnorm, "fused_has_native_autograd", lambda device_type: True)
+    monkeypatch.setattr(_registry, "choose",
+                        lambda op, tensors, names, backend, where, **kw:
+                        ("triton", "forced" if backend else "auto"))
+    monkeypatch.setattr(_registry, "module", lambda op, backend: backend)
+    x = torch.empty(4, 64, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(64, device="meta", dtype=torch.bfloat16)
+    route = lt._route_rmsnorm
+    assert route(x, w, False, "scale_then_cast", None, "t")[:2] == ("torch", lt._TORCH_FUSED_WHY)
+    assert route(x, w, True, "scale_then_cast", None, "t")[0] == "triton"  # zero-centered
+    assert route(x, w, False, "cast_then_scale", None, "t")[0] == "triton"
+    assert route(x, w.float(), False, "scale_then_cast", None, "t")[0] == "triton"
+    assert route(x, w, False, "scale_then_cast", "triton", "t")[0] == "triton"  # forced

@@ -209,3 +209,32 @@ def test_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
     assert triton_selfcheck.check("rmsnorm", DEVICE) == (
         "the rmsnorm self-check failed: torch.float32 forward is outside the stated bound of "
         "the torch-op backend's")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_default_where_torch_has_native_fused_kernels_is_torchs_own(dtype, torch_gen):
+    """On CUDA, leanstep's RMSNorm runs torch's fused kernels by default (faster
+    than its Triton kernels there, with a native backward): the module's
+    output and dx are torch.nn.RMSNorm's bits, the frozen weight gets no
+    gradient, and the report names the choice. Runs on a device with those
+    kernels (scripts/gpu-check.sh); the interpreter run has none."""
+    from leanstep.backends import torch_rmsnorm
+
+    if not NATIVE or not torch_rmsnorm.fused_has_native_autograd(DEVICE.type):
+        pytest.skip(f"torch has no native fused RMSNorm autograd on {DEVICE.type}")
+    x, w, dy = rmsnorm_inputs((37, 320), dtype, torch_gen, scale=1.0)
+    x, w, dy = dev(x), dev(w), dev(dy)
+    ours = lt.RMSNorm(320, eps=1e-6, dtype=dtype, device=DEVICE).requires_grad_(False)
+    peer = torch.nn.RMSNorm(320, eps=1e-6, dtype=dtype, device=DEVICE).requires_grad_(False)
+    with torch.no_grad():
+        ours.weight.copy_(w)
+        peer.weight.copy_(w)
+    for _ in range(2):  # the deciding call, then the cached one
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ya, yb = ours(xa), peer(xb)
+        ya.backward(dy)
+        yb.backward(dy)
+        assert_bitwise(ya, yb)
+        assert_bitwise(xa.grad, xb.grad)
+        assert ours.weight.grad is None
+        assert ours.last_decision["backend"] == "torch"

@@ -46,6 +46,25 @@ def fused_available(device_type):
     return hit
 
 
+_native_autograd_cache = {}
+
+
+def fused_has_native_autograd(device_type):
+    """Whether ``aten._fused_rms_norm`` called under autograd on this device
+    runs the device's own forward kernel and, through its derivative, the
+    fused backward (CUDA): then it needs no Python autograd Function, and a
+    frozen weight gets dx only (autograd's output mask). Where the forward is
+    a composite (the CPU, meta), autograd differentiates its decomposition
+    instead, so the dx-only Function stays."""
+    hit = _native_autograd_cache.get(device_type)
+    if hit is None:
+        key = _DISPATCH_KEYS.get(device_type)
+        has = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
+        hit = bool(key and has and fused_available(device_type) and has(_FUSED_FORWARD, key))
+        _native_autograd_cache[device_type] = hit
+    return hit
+
+
 def _npu_rms_norm():
     torch_npu = sys.modules.get("torch_npu")
     return getattr(torch_npu, "npu_rms_norm", None) if torch_npu is not None else None
