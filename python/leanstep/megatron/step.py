@@ -392,11 +392,15 @@ def _foreach_scalar(op, tensors, scalar):
     ``scalar``, without a host read: CUDA's foreach kernels take the tensor;
     elsewhere (the CPU, meta, other devices) the one-tensor overload reads it
     with ``.item()``, so each tensor gets it as a list entry (torch's per-tensor
-    kernels, broadcast)."""
-    fn = getattr(torch, "_foreach_" + op)
-    if scalar.device.type == "cuda":
-        return fn(tensors, scalar)
-    return fn(tensors, [scalar] * len(tensors))
+    kernels, broadcast). On CUDA the ``.Tensor`` overload is named outright:
+    through ``torch._foreach_<op>`` Python's argument parser may match a 0-d
+    tensor to the ``.Scalar`` overload first, and that reads it on the host
+    (seen on an H200: one sync per step from the counters' increment). Meta
+    tensors take CUDA's form (their kernels read nothing): the tests prove it
+    sync-free there."""
+    if scalar.device.type in ("cuda", "meta"):
+        return getattr(torch.ops.aten, "_foreach_" + op).Tensor(tensors, scalar)
+    return getattr(torch, "_foreach_" + op)(tensors, [scalar] * len(tensors))
 
 
 def _bias_corrections(group, step_t):
