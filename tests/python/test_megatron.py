@@ -815,7 +815,61 @@ def test_convert_norms_in_a_model_built_before_install(torch_gen):
     assert model[0].last_decision["path"] == "frozen_fused"
 
 
-def test_moe_functions_on_device_tensors_take_the_device_backend(patched, torch_gen):
+@pytest.fixture
+def leanstep_on_devices():
+    """The MoE patches' device path forced on (on 0.19 it hands device calls
+    back to Megatron by default)."""
+    from leanstep.megatron import moe as lmoe
+
+    previous = lmoe.device_kernels(True)
+    yield
+    lmoe.device_kernels(previous)
+
+
+def test_moe_on_device_tensors_goes_where_megatrons_function_is_sync_free(patched, torch_gen):
+    """0.16's permute selects with masked_select (a host wait on a device):
+    leanstep's sync-free permute and unpermute run. 0.19's permute is an
+    argsort of fixed shape, sync-free and faster on an H200: device permutes
+    go back to Megatron, and so do unpermutes without probs; its unpermute
+    given probs selects them with masked_select, so leanstep's runs. Each
+    call counted, the delegated ones with the reason."""
+    from leanstep.megatron import moe as lmoe
+
+    T, E, k, H = 16, 4, 2, 8
+    routing_map, probs = routing(T, E, k, torch_gen)
+    tokens = torch.randn(T, H, generator=torch_gen)
+    num_out = int(routing_map.sum())
+    sources = {name: inspect.getsource(inspect.unwrap(getattr(moe_utils, name)))
+               for name in ("permute", "unpermute")}
+    syncs = {name: ".masked_select(" in src for name, src in sources.items()}
+    assert syncs["permute"] == (not NEW_API)  # 0.16 and 0.19 as installed by make
+    assert syncs["unpermute"]
+    on_meta = [t.to("meta") for t in (tokens, routing_map, probs)]
+    with leanstep.audit() as a:
+        out = token_dispatcher.permute(*on_meta, num_out)
+        token_dispatcher.unpermute(out[0], out[2], (T, H))  # probs applied before
+        token_dispatcher.unpermute(out[0], out[2], (T, H), probs=on_meta[2],
+                                   routing_map=on_meta[1])
+    assert a.num_syncs == 0 and a.num_host_reads == 0, a.format_table()
+    calls = lm.report()["calls"]
+    if syncs["permute"]:
+        assert calls["permute"]["paths"] == {"torch:meta": 1}, calls["permute"]
+        assert calls["unpermute"]["paths"] == {"torch:meta": 2}, calls["unpermute"]
+    else:
+        assert calls["permute"]["delegated"] == {lmoe.DEVICE_DELEGATED: 1}, calls["permute"]
+        assert calls["unpermute"]["delegated"] == {lmoe.DEVICE_DELEGATED: 1}, calls["unpermute"]
+        assert calls["unpermute"]["paths"] == {"torch:meta": 1}, calls["unpermute"]  # with probs
+    previous = lmoe.device_kernels(False)
+    try:
+        assert lmoe._device_delegated(on_meta[0], True) and not lmoe._device_delegated(tokens)
+    finally:
+        lmoe.device_kernels(previous)
+    with pytest.raises(TypeError, match="'enabled' must be True, False or None"):
+        lmoe.device_kernels("yes")
+
+
+def test_moe_functions_on_device_tensors_take_the_device_backend(patched, leanstep_on_devices,
+                                                                 torch_gen):
     T, E, k, H = 32, 8, 2, 16
     routing_map, probs = routing(T, E, k, torch_gen)
     tokens = torch.randn(T, H, generator=torch_gen)
