@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from . import _backend, _leanstep, _registry
+from . import _backend, _dispatch, _leanstep, _registry
 from ._arrays import output_hooks as _output_hooks
 from ._rules import restore_rows as _restore_rows
 from ._arrays import dtype_name as _dtype_name
@@ -207,11 +207,16 @@ def _route_rmsnorm(x, weight, zero_centered_gamma, rounding, backend, where):
     Triton keeps the conventions torch has no kernel for (zero-centered
     gamma, cast-then-scale, a weight of another dtype) and devices without
     them. ``backend="triton"`` still forces the Triton kernels."""
-    chosen, why = _registry.choose("rmsnorm.forward", [x, weight], ["x", "weight"], backend,
-                                   where)
-    if (chosen == "triton" and backend is None
+    if (backend is None and not x.is_cpu and _backend.triton_automatic()
+            and _dispatch.op_enabled("rmsnorm.forward")
             and _torch_fused_op(x, weight, zero_centered_gamma, rounding)):
-        chosen, why = "torch", _TORCH_FUSED_WHY
+        # Decided before the automatic choice, whose Triton self-check would compile and
+        # run kernels this call does not use; the choice still checks the arguments.
+        chosen, why = _registry.choose("rmsnorm.forward", [x, weight], ["x", "weight"], "torch",
+                                       where)[0], _TORCH_FUSED_WHY
+    else:
+        chosen, why = _registry.choose("rmsnorm.forward", [x, weight], ["x", "weight"],
+                                       backend, where)
     device_type = "cpu" if chosen == "cpu" else x.device.type
     _registry.record("rmsnorm.forward", chosen, device_type, why)
     return chosen, why, _registry.module("rmsnorm.forward", chosen)

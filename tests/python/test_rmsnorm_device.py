@@ -183,14 +183,22 @@ def test_the_automatic_choice_prefers_torchs_fused_kernels_to_triton(monkeypatch
     from leanstep.backends import torch_rmsnorm
 
     monkeypatch.setattr(torch_rmsnorm, "fused_has_native_autograd", lambda device_type: True)
-    monkeypatch.setattr(_registry, "choose",
-                        lambda op, tensors, names, backend, where, **kw:
-                        ("triton", "forced" if backend else "auto"))
+    asked = []
+
+    def choose(op, tensors, names, backend, where, **kw):
+        asked.append(backend)
+        return (backend, "forced") if backend else ("triton", "auto")
+
+    monkeypatch.setattr(_registry, "choose", choose)
     monkeypatch.setattr(_registry, "module", lambda op, backend: backend)
     x = torch.empty(4, 64, device="meta", dtype=torch.bfloat16)
     w = torch.empty(64, device="meta", dtype=torch.bfloat16)
     route = lt._route_rmsnorm
     assert route(x, w, False, "scale_then_cast", None, "t")[:2] == ("torch", lt._TORCH_FUSED_WHY)
+    assert asked == ["torch"]  # the arguments checked, no automatic choice (no self-check)
+    monkeypatch.setenv("LEANSTEP_TRITON", "off")
+    assert route(x, w, False, "scale_then_cast", None, "t")[0] == "triton"  # the choice's own
+    monkeypatch.delenv("LEANSTEP_TRITON")
     assert route(x, w, True, "scale_then_cast", None, "t")[0] == "triton"  # zero-centered
     assert route(x, w, False, "cast_then_scale", None, "t")[0] == "triton"
     assert route(x, w.float(), False, "scale_then_cast", None, "t")[0] == "triton"
