@@ -193,11 +193,18 @@ def _count_triton_backward(device_type, reason):
     _registry.record("rmsnorm.backward", "triton", device_type, reason)
 
 
-# Measured on an H200 (torch 2.11, scripts/gpu-check.sh, 2026-12-04): torch's fused CUDA
-# kernels against leanstep's Triton ones at [8192, 2048] bf16, 0.051 vs 0.221 ms forward and
-# 0.149 vs 0.746 ms forward + backward (dx), and their backward needs no Python.
+# Measured on an H200 (torch 2.11, scripts/gpu-check.sh, three runs on 2026-12-04): torch's
+# fused CUDA kernels against leanstep's Triton ones at [8192, 2048] bf16, 0.04-0.05 vs
+# 0.12-0.22 ms forward and 0.12-0.16 vs 0.69-0.87 ms forward + backward (dx), and their
+# backward needs no Python. CUDA only: no other device was measured.
 _TORCH_FUSED_WHY = ("torch's fused RMSNorm kernels for the device, with their native backward "
                     "(faster than leanstep's Triton kernels where torch has them)")
+
+
+def _fused_measured_faster(device_type):
+    """Where torch's fused RMSNorm was measured against leanstep's Triton kernels
+    and won (above): CUDA."""
+    return device_type == "cuda"
 
 
 def _route_rmsnorm(x, weight, zero_centered_gamma, rounding, backend, where):
@@ -207,7 +214,7 @@ def _route_rmsnorm(x, weight, zero_centered_gamma, rounding, backend, where):
     Triton keeps the conventions torch has no kernel for (zero-centered
     gamma, cast-then-scale, a weight of another dtype) and devices without
     them. ``backend="triton"`` still forces the Triton kernels."""
-    if (backend is None and not x.is_cpu and _backend.triton_automatic()
+    if (backend is None and _fused_measured_faster(x.device.type) and _backend.triton_automatic()
             and _dispatch.op_enabled("rmsnorm.forward")
             and _torch_fused_op(x, weight, zero_centered_gamma, rounding)):
         # Decided before the automatic choice, whose Triton self-check would compile and
@@ -480,11 +487,16 @@ class RMSNorm(torch.nn.RMSNorm):
         if (getattr(self, "exact_forward", False) and torch_convention
                 and decision["path"] == "frozen_fused" and x.dtype == self.weight.dtype):
             self.last_decision["forward"] = "torch_order"
-            if chosen == "cpu" and type(self).forward is RMSNorm.forward:
+            # torch's own op under autograd where its backward is native (CUDA): the
+            # same forward, and its dx-only backward without a Python Function.
+            native = chosen == "torch" and _torch_fused_op(x, self.weight, False,
+                                                           "scale_then_cast")
+            if (chosen == "cpu" or native) and type(self).forward is RMSNorm.forward:
                 # Decided: later calls with the same signature take _LeanPath.run.
                 self.__dict__["_lean"] = _LeanPath(self, caller_x, float(eps), why,
-                                                   self.last_decision, exact=True)
-            if not (torch.is_grad_enabled() and x.requires_grad):
+                                                   self.last_decision, exact=True,
+                                                   backend=chosen)
+            if native or not (torch.is_grad_enabled() and x.requires_grad):
                 return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], self.weight,
                                                       float(eps))[0]
             return _ExactForwardFrozenRMSNorm.apply(x, self.weight, float(eps), chosen, context)
@@ -522,6 +534,11 @@ def _hooks_active(module):
                 or module._backward_pre_hooks or any(_global_hooks))
 
 
+def _automatic_state():
+    """What an automatic device choice of RMSNorm depends on beyond the call."""
+    return _backend.triton_automatic(), _dispatch.op_enabled("rmsnorm.forward")
+
+
 def _is_autocast_cpu():
     return torch.is_autocast_enabled("cpu")
 
@@ -540,7 +557,7 @@ class _LeanPath:
 
     __slots__ = ("signature", "eps", "zero_centered_gamma", "cast_then_scale", "why",
                  "decision", "exact", "frozen_weight_only", "backend", "kernels",
-                 "torch_fused", "device_type", "rounding")
+                 "torch_fused", "device_type", "rounding", "automatic")
 
     def __init__(self, module, x, eps, why, decision, exact=False, backend="cpu", kernels=None):
         self.signature = self._signature(module, x)
@@ -560,6 +577,10 @@ class _LeanPath:
         self.device_type = "cpu" if backend == "cpu" else x.device.type
         self.torch_fused = backend == "torch" and _torch_fused_op(
             x, module.weight, module.zero_centered_gamma, module.rounding)
+        # A device backend chosen automatically depends on LEANSTEP_TRITON and the
+        # preset too: either changing sends the next call back to the full path.
+        self.automatic = (_automatic_state() if backend != "cpu" and module.backend is None
+                          else None)
 
     @staticmethod
     def _signature(module, x):
@@ -574,6 +595,8 @@ class _LeanPath:
                 or (_is_autocast_cpu() if self.device_type == "cpu"
                     else _autocast_enabled(self.device_type))
                 or _activation_offload_active() or _compiling()):
+            return None
+        if self.automatic is not None and _automatic_state() != self.automatic:
             return None
         weight = module.weight
         grad = torch.is_grad_enabled()

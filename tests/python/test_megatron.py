@@ -360,6 +360,12 @@ def test_permute_unpermute_match_megatron(dtype, drop_and_pad, patched, torch_ge
                        atol=H * 2**-24 * max(scale, 1.0) * 4)
     calls = lm.report()["calls"]
     assert calls["permute"]["leanstep"] == 1 and calls["unpermute"]["leanstep"] == 1
+    # The pair 0.19's device default makes (Megatron's permute, leanstep's unpermute given
+    # probs): leanstep's unpermute over Megatron's outputs gives its own pair's bits.
+    with torch.no_grad():
+        mixed = token_dispatcher.unpermute(theirs[0], theirs[2], tokens.shape, probs=p_theirs,
+                                           routing_map=routing_map, drop_and_pad=drop_and_pad)
+    assert torch.equal(mixed, out_ours.detach())
 
 
 @pytest.mark.skipif(not NEW_API, reason="0.16's plain permute ignores num_out_tokens")

@@ -190,6 +190,27 @@ def test_adam_options_the_mask_cannot_keep_go_to_megatron(change, reason):
     assert lstep._inner_reason(torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))])) is None
 
 
+def test_a_for_loop_adam_on_cuda_goes_to_megatron():
+    """torch's for-loop Adam on CUDA rounds as neither the CPU's for-loop nor
+    CUDA's foreach (measured on an H200: foreach=False differs from the
+    default); the masked update copies those two only, so that optimizer keeps
+    Megatron's step. The same optimizer with foreach left to torch, or on the
+    CPU, is masked."""
+
+    class OnCuda(torch.Tensor):  # what the check reads of a CUDA param, without a GPU
+        @property
+        def is_cuda(self):
+            return True
+
+    cuda_param = torch.nn.Parameter(torch.Tensor._make_subclass(OnCuda, torch.randn(3)))
+    assert lstep._inner_reason(torch.optim.AdamW([cuda_param], foreach=False)) == \
+        "adam_for_loop_on_cuda"
+    assert lstep._inner_reason(torch.optim.AdamW([cuda_param])) is None
+    assert lstep._inner_reason(torch.optim.AdamW([cuda_param], fused=True)) is None
+    cpu_param = torch.nn.Parameter(torch.randn(3))
+    assert lstep._inner_reason(torch.optim.AdamW([cpu_param], foreach=False)) is None
+
+
 def test_device_bool_reads_only_when_asked():
     flag = lstep.DeviceBool(torch.tensor(True))
     with leanstep.audit() as a:

@@ -155,6 +155,7 @@ def test_a_device_with_native_fused_autograd_runs_torchs_op_decided_once(dtype, 
     x = torch.empty(8, 256, device="meta", dtype=dtype, requires_grad=True)
     dy = torch.empty(8, 256, device="meta", dtype=dtype)
     before = leanstep.paths()["ops"]["rmsnorm.forward"].get("calls", {}).get("torch", {})
+    decided = None
     for call in range(2):
         with leanstep.audit() as a:
             y = m(x)
@@ -164,14 +165,47 @@ def test_a_device_with_native_fused_autograd_runs_torchs_op_decided_once(dtype, 
         assert a.num_syncs == 0 and a.num_host_reads == 0, a.format_table()
         assert m.weight.grad is None and x.grad.shape == x.shape
         assert m.last_decision["backend"] == "torch"
-        assert "_lean" in m.__dict__  # decided by the first call, taken by the second
+        # decided by the first call, taken (not made again) by the second
+        assert decided is None or m.__dict__["_lean"] is decided
+        decided = m.__dict__["_lean"]
     after = leanstep.paths()["ops"]["rmsnorm.forward"]["calls"]["torch"]
     assert after.get("meta", 0) - before.get("meta", 0) == 2
+    assert decided.run(m, x) is not None
     handle = m.register_forward_pre_hook(lambda mod, args: None)
     try:
-        assert m.__dict__["_lean"].run(m, x) is None  # a hook: the full path decides
+        assert decided.run(m, x) is None  # a hook: the full path decides
     finally:
         handle.remove()
+    # What an automatic device choice also depends on: LEANSTEP_TRITON and the preset.
+    monkeypatch.setenv("LEANSTEP_TRITON", "off")
+    assert decided.run(m, x) is None
+    monkeypatch.delenv("LEANSTEP_TRITON")
+    previous = leanstep.preset()
+    leanstep.set_preset("baseline")
+    try:
+        assert decided.run(m, x) is None
+    finally:
+        leanstep.set_preset(previous)
+    assert decided.run(m, x) is not None
+
+
+def test_exact_forward_modules_take_torchs_op_decided_once_on_such_a_device(monkeypatch):
+    """The modules leanstep.megatron converts norms into (exact_forward): on a
+    device with torch's native fused autograd, torch's op itself (its forward
+    is the promise), decided once; no Python autograd Function."""
+    from leanstep.backends import torch_rmsnorm
+
+    monkeypatch.setattr(torch_rmsnorm, "fused_has_native_autograd", lambda device_type: True)
+    m = lt.RMSNorm(128, eps=1e-6, device="meta", exact_forward=True).requires_grad_(False)
+    x = torch.empty(4, 128, device="meta", requires_grad=True)
+    decided = None
+    for _ in range(2):
+        y = m(x)
+        assert not isinstance(y.grad_fn, torch.autograd.function.BackwardCFunction)
+        y.backward(torch.empty(4, 128, device="meta"))
+        assert m.weight.grad is None and m.last_decision["forward"] == "torch_order"
+        assert decided is None or m.__dict__["_lean"] is decided
+        decided = m.__dict__["_lean"]
 
 
 def test_the_automatic_choice_prefers_torchs_fused_kernels_to_triton(monkeypatch):
@@ -183,6 +217,7 @@ def test_the_automatic_choice_prefers_torchs_fused_kernels_to_triton(monkeypatch
     from leanstep.backends import torch_rmsnorm
 
     monkeypatch.setattr(torch_rmsnorm, "fused_has_native_autograd", lambda device_type: True)
+    monkeypatch.setattr(lt, "_fused_measured_faster", lambda device_type: True)  # meta as CUDA
     asked = []
 
     def choose(op, tensors, names, backend, where, **kw):

@@ -46,6 +46,8 @@ def canonical_device(device):
     unequal. A plan keeps the indexed form, so its checks and outputs agree
     with the tensors it is given."""
     device = torch.device(device)
+    if device.index is None and device.type == "mps":
+        return torch.device("mps", 0)  # one device; torch.mps has no current_device
     if device.index is None and device.type not in ("cpu", "meta"):
         current = getattr(getattr(torch, device.type, None), "current_device", None)
         if current is not None:
@@ -344,6 +346,9 @@ def _split_for_amp_unscale(views):
     return amp, [v for v in views if v.dtype == torch.bfloat16]
 
 
+_WIDE_CHUNK = 1 << 24  # elements of an fp16/bf16 region scaled through fp32 at once (64 MiB)
+
+
 def _scale_in_place(views, scale):
     """x = cast(float(x) * scale) in place for every view, ``scale`` a 0-d fp32
     tensor on the views' device, never read on the host. fp32 views take one
@@ -364,11 +369,13 @@ def _scale_in_place(views, scale):
         if low else views
     if rest:
         torch._foreach_mul_(rest, scale)
-    if low:
-        wide = [v.float() for v in low]
-        torch._foreach_mul_(wide, scale)
-        for v, w in zip(low, wide):
-            v.copy_(w)
+    for v in low:
+        # One view at a time, a flat region in chunks: the fp32 temporary stays
+        # bounded (twice the chunk's bytes), however large the grads.
+        parts = ([v[i:i + _WIDE_CHUNK] for i in range(0, v.numel(), _WIDE_CHUNK)]
+                 if v.dim() == 1 and v.numel() > _WIDE_CHUNK else [v])
+        for part in parts:
+            part.copy_(part.float().mul_(scale))
 
 
 def multi_tensor_scale(src, dst, scale, found_inf, device):

@@ -213,7 +213,7 @@ def _make_permute(original, spec, five_tuple=False):
         if _cpu_delegated(tokens):
             _patching.count(spec.name, reason=CPU_DELEGATED)
             return None, call_original()
-        if _device_delegated(tokens):
+        if not fused and _device_delegated(tokens):
             _patching.count(spec.name, reason=DEVICE_DELEGATED)
             return None, call_original()
         reason = "fused" if fused else _why_not([tokens, routing_map, probs])
@@ -286,7 +286,7 @@ def _make_unpermute(original, spec, with_pad_offsets=False):
         if _cpu_delegated(permuted_tokens):
             _patching.count(spec.name, reason=CPU_DELEGATED)
             return call_original()
-        if _device_delegated(permuted_tokens, probs is not None):
+        if not fused and _device_delegated(permuted_tokens, probs is not None):
             _patching.count(spec.name, reason=DEVICE_DELEGATED)
             return call_original()
         reason = "fused" if fused else _why_not([permuted_tokens, sorted_indices, probs,

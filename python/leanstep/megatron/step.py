@@ -283,6 +283,12 @@ def _inner_reason(inner):
             return "adam_tensor_hyperparameter"
         if group["params"] and any(torch.is_complex(p) for p in group["params"]):
             return "adam_complex"
+        if (group.get("foreach") is False and not group.get("fused")
+                and any(p.is_cuda for p in group["params"])):
+            # torch's for-loop on CUDA rounds as neither the CPU's for-loop nor CUDA's
+            # foreach (its divisions by a Python float run as multiplications by the
+            # reciprocal there): the masked update would not be its bits.
+            return "adam_for_loop_on_cuda"
     fused = {bool(g.get("fused")) for g in inner.param_groups}
     if len(fused) > 1:
         return "adam_fused_mixed"
@@ -423,11 +429,13 @@ def _bias_corrections(group, step_t):
 
 
 def _foreach_reference(device_type):
-    """Whether torch's Adam on this device runs its foreach implementation by
-    default (CUDA: ``foreach=None`` picks it; measured on an H200, the default
-    equals ``foreach=True`` bit for bit) rather than the for-loop (the CPU).
-    The two round the update differently: CUDA's ``addcdiv`` computes
-    ``p + value * (m / d)``, the CPU's ``p + value * m / d``."""
+    """Whether the masked update copies the roundings of torch's foreach Adam
+    on CUDA (``foreach=None`` picks it there; measured on an H200, the default
+    equals ``foreach=True`` bit for bit) rather than those of the CPU's
+    for-loop. They differ in the update: CUDA's ``addcdiv`` kernels compute
+    ``p + value * (m / d)`` in one fma, the CPU's ``p + value * m / d``. A
+    for-loop AdamW on CUDA (``foreach=False``) rounds as neither and is not
+    masked (``_inner_reason``)."""
     return device_type == "cuda"
 
 
