@@ -5,7 +5,8 @@
 #   0. the host cost of a launch and of a sync (1000 tiny launches, 200 .item() reads), printed
 #      as the host-cost model's flags: python -m leanstep.hostcost --launch-us X --sync-us Y;
 #   0b. bench/gpu_step.py: the sync-free optimizer step's masked Adam update on the device
-#      against torch's AdamW (skips exact, at most 1 fp32 ulp, no host sync in a step);
+#      against torch's AdamW, fp32 and bf16 parameters (skips exact, at most 1 ulp, no host
+#      sync in a step);
 #   1. the Triton tests natively: LEANSTEP_TEST_DEVICE=cuda pytest tests/python/test_triton_*.py
 #      and the conformance harness's Triton cases (tests/python/test_conformance.py -k triton:
 #      the values of every op on its case list) (the Triton side on the GPU, compiled; the C++
