@@ -214,8 +214,7 @@ def _route_rmsnorm(x, weight, zero_centered_gamma, rounding, backend, where):
     Triton keeps the conventions torch has no kernel for (zero-centered
     gamma, cast-then-scale, a weight of another dtype) and devices without
     them. ``backend="triton"`` still forces the Triton kernels."""
-    if (backend is None and _fused_measured_faster(x.device.type) and _backend.triton_automatic()
-            and _dispatch.op_enabled("rmsnorm.forward")
+    if (backend is None and _fused_measured_faster(x.device.type) and all(_automatic_state())
             and _torch_fused_op(x, weight, zero_centered_gamma, rounding)):
         # Decided before the automatic choice, whose Triton self-check would compile and
         # run kernels this call does not use; the choice still checks the arguments.

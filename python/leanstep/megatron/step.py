@@ -305,10 +305,10 @@ def masked_adam_step(inner, found_inf):
     the step counters back), through the class's own ``step`` (its hooks run
     once; an instance-level shadow of ``step`` is not re-entered). Otherwise
     the arithmetic of torch's default for the device (the for-loop on the CPU;
-    on CUDA the foreach implementation, whose update rounds differently), with the step counters moved to the
-    device (they count only taken steps) and the bias corrections computed
-    there in float64, as torch computes them in Python floats from its host
-    counters; the new moments and parameters are committed with ``torch.where``
+    on CUDA the foreach implementation, whose update rounds differently), with
+    the step counters moved to the device (they count only taken steps) and
+    the bias corrections computed there in float64, as torch computes them in
+    Python floats from its host counters; the new moments and parameters are committed with ``torch.where``
     on the flag. Low-precision params (fp16, bf16) take torch's roundings: the
     ops torch runs with a Python-float scalar compute in fp32 and round once.
     Where a group's counters are known to be equal and distinct (every
