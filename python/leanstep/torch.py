@@ -118,7 +118,7 @@ _POOLED_BYTES = 2 << 20  # outputs from here up come from leanstep's pool (_arra
 def _output_like(t):
     """An uninitialised output like CPU tensor `t`: torch's allocator for the
     small ones (the common case), leanstep's pool / huge pages for large ones."""
-    if t.numel() * t.element_size() < _POOLED_BYTES:
+    if t.nbytes < _POOLED_BYTES:
         return torch.empty_like(t, memory_format=torch.contiguous_format)
     return _fresh_like(t)
 
@@ -391,6 +391,12 @@ class RMSNorm(torch.nn.RMSNorm):
             extra += f", rounding={self.rounding}"
         return extra
 
+    def __setattr__(self, name, value):
+        # Any attribute set (eps, rounding, backend, weight, ...) drops the cached
+        # decision: the next call decides again (_LeanPath reads no option per call).
+        self.__dict__.pop("_lean", None)
+        super().__setattr__(name, value)
+
     def _delegate_forward(self, x):
         """The forward of a call leanstep does not take: torch.nn.RMSNorm's, or
         the ``delegate`` the module was given (a model's own RMSNorm forward,
@@ -554,12 +560,19 @@ class _LeanPath:
     (torch's fused op under autograd where it has one, else the torch-op
     code) or "triton" (the Triton kernels' autograd entry)."""
 
-    __slots__ = ("signature", "eps", "zero_centered_gamma", "cast_then_scale", "why",
+    __slots__ = ("x_type", "x_dtype", "x_device", "x_on_cpu", "width", "x_contiguous", "weight",
+                 "w_dtype", "w_requires_grad", "eps", "zero_centered_gamma", "cast_then_scale", "why",
                  "decision", "exact", "frozen_weight_only", "backend", "kernels",
-                 "torch_fused", "device_type", "rounding", "automatic")
+                 "torch_fused", "device_type", "rounding", "automatic", "tally")
 
     def __init__(self, module, x, eps, why, decision, exact=False, backend="cpu", kernels=None):
-        self.signature = self._signature(module, x)
+        # The signature: the input's class, dtype, device, width and layout, the
+        # weight's identity, dtype and requires_grad (see _matches).
+        w = module.weight
+        self.x_type, self.x_dtype, self.x_device = type(x), x.dtype, x.device
+        self.x_on_cpu = x.device.type == "cpu"
+        self.width, self.x_contiguous = x.shape[-1], x.is_contiguous()
+        self.weight, self.w_dtype, self.w_requires_grad = w, w.dtype, w.requires_grad
         self.eps = eps
         self.zero_centered_gamma = module.zero_centered_gamma
         self.cast_then_scale = module.rounding == "cast_then_scale"
@@ -574,6 +587,7 @@ class _LeanPath:
         self.kernels = kernels
         self.rounding = module.rounding
         self.device_type = "cpu" if backend == "cpu" else x.device.type
+        self.tally = _backend.tally("rmsnorm.forward", backend, self.device_type, why)
         self.torch_fused = backend == "torch" and _torch_fused_op(
             x, module.weight, module.zero_centered_gamma, module.rounding)
         # A device backend chosen automatically depends on LEANSTEP_TRITON and the
@@ -581,29 +595,36 @@ class _LeanPath:
         self.automatic = (_automatic_state() if backend != "cpu" and module.backend is None
                           else None)
 
-    @staticmethod
-    def _signature(module, x):
-        w = module.weight
-        return (type(x), x.dtype, x.device, x.shape[-1] if x.dim() else None, x.is_contiguous(),
-                w, w.dtype, w.requires_grad, module.eps, module.zero_centered_gamma,
-                module.rounding, module.backend, module.exact_forward, module.frozen_only)
+    def _matches(self, module, x):
+        """Whether this call has the decided signature. The module's options
+        are not read here: setting any attribute of the module drops its
+        decision (:meth:`RMSNorm.__setattr__`). The weight is read from
+        ``_parameters`` (``module.weight`` goes through nn.Module's
+        ``__getattr__``, about 0.5 us), so a Parameter put there directly is
+        still seen."""
+        w = module._parameters.get("weight")
+        return (type(x) is self.x_type and x.dtype is self.x_dtype
+                and (x.is_cpu if self.x_on_cpu else x.device == self.x_device)
+                and x.dim() != 0 and x.shape[-1] == self.width
+                and x.is_contiguous() is self.x_contiguous and w is self.weight
+                and w.dtype is self.w_dtype and w.requires_grad is self.w_requires_grad)
 
     def run(self, module, x):
         """The output, or None when the full path must decide this call."""
-        if (self._signature(module, x) != self.signature or x.is_neg() or _hooks_active(module)
+        if (not self._matches(module, x) or x.is_neg() or _hooks_active(module)
                 or (_is_autocast_cpu() if self.device_type == "cpu"
                     else _autocast_enabled(self.device_type))
                 or _activation_offload_active() or _compiling()):
             return None
         if self.automatic is not None and _automatic_state() != self.automatic:
             return None
-        weight = module.weight
+        weight = self.weight
         grad = torch.is_grad_enabled()
         if self.frozen_weight_only and grad and weight.requires_grad:
             return None
         if not x.is_contiguous():  # a strided layout (q/k views) the full path decided to copy
             x = x.contiguous()
-        _backend.record("rmsnorm.forward", self.backend, self.device_type, self.why)
+        next(self.tally)
         module.__dict__["last_decision"] = dict(self.decision)
         if self.torch_fused:
             return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, self.eps)[0]
@@ -639,6 +660,10 @@ def _contiguous(*tensors):
 # counts it. Anything else goes through the router: the same autograd Function
 # (_PermuteFunction / _UnpermuteFunction), the same kernels, the same numbers.
 _MOE_WHY = "CPU tensors"
+# Each lean MoE call counted as the router counts it (one `next`, see _backend.tally).
+_MOE_TALLY = {op: _backend.tally(op, "cpu", "cpu", _MOE_WHY)
+              for op in ("moe.permute", "moe.permute_backward", "moe.permute_probs_backward",
+                         "moe.unpermute", "moe.unpermute_backward")}
 
 
 def _lean_moe_call(*tensors):
@@ -672,7 +697,7 @@ class _PermuteFunction(torch.autograd.Function):
             permuted = _new_output((rows,) + tuple(tokens.shape[1:]), tokens.dtype, tokens)
             permuted_probs = None if probs is None else _new_output((rows,), probs.dtype, tokens)
             sorted_indices = torch.empty((rows,), dtype=torch.int64)
-            _backend.record("moe.permute", "cpu", "cpu", _MOE_WHY)
+            next(_MOE_TALLY["moe.permute"])
             _moe_permute_native(tokens, routing_map, probs, num_out_tokens, drop_and_pad, "auto",
                                 permuted, permuted_probs, sorted_indices)
         else:
@@ -696,7 +721,7 @@ class _PermuteFunction(torch.autograd.Function):
             if ctx.lean:
                 dtokens = _new_output((ctx.num_tokens, dpermuted.shape[1]), dpermuted.dtype,
                                       dpermuted)
-                _backend.record("moe.permute_backward", "cpu", "cpu", _MOE_WHY)
+                next(_MOE_TALLY["moe.permute_backward"])
                 _moe_permute_backward_native(dpermuted, sorted_indices, dtokens, "auto")
             else:
                 dtokens = moe_permute_backward(dpermuted, sorted_indices, ctx.num_tokens,
@@ -705,7 +730,7 @@ class _PermuteFunction(torch.autograd.Function):
             dpermuted_probs = _dense(dpermuted_probs)
             if ctx.lean:
                 dprobs = torch.empty(tuple(routing_map.shape), dtype=dpermuted_probs.dtype)
-                _backend.record("moe.permute_probs_backward", "cpu", "cpu", _MOE_WHY)
+                next(_MOE_TALLY["moe.permute_probs_backward"])
                 _moe_permute_probs_backward_native(dpermuted_probs, sorted_indices, routing_map,
                                                    ctx.drop_and_pad, dprobs)
             else:
@@ -737,7 +762,7 @@ class _UnpermuteFunction(torch.autograd.Function):
         if lean:
             rows = _restore_rows(restore_shape, "unpermute", permuted.shape[1])
             out = _new_output((rows, permuted.shape[1]), permuted.dtype, permuted)
-            _backend.record("moe.unpermute", "cpu", "cpu", _MOE_WHY)
+            next(_MOE_TALLY["moe.unpermute"])
             _moe_unpermute_native(permuted, sorted_indices, out, probs, routing_map,
                                   drop_and_pad, "auto")
         else:
@@ -762,7 +787,7 @@ class _UnpermuteFunction(torch.autograd.Function):
         if ctx.lean:
             dpermuted = _new_output(tuple(permuted.shape), permuted.dtype, permuted)
             dprobs = torch.empty(tuple(probs.shape), dtype=probs.dtype) if need_probs else None
-            _backend.record("moe.unpermute_backward", "cpu", "cpu", _MOE_WHY)
+            next(_MOE_TALLY["moe.unpermute_backward"])
             _moe_unpermute_backward_native(dout, permuted, sorted_indices, probs, routing_map,
                                            ctx.drop_and_pad, "auto", dpermuted, dprobs)
         else:

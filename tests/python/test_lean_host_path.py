@@ -134,6 +134,70 @@ def test_a_new_dtype_or_width_decides_again():
         m(torch.randn(2, 17))  # torch's own error, as before
 
 
+def test_an_option_set_after_the_decision_decides_again(torch_gen):
+    # The decided path reads no option per call: setting one drops the decision.
+    m = _module(24, torch.float32)
+    x = torch.randn(5, 24, generator=torch_gen)
+    with torch.no_grad():
+        m(x)
+        assert "_lean" in m.__dict__
+        m.eps = 0.5  # large enough to move every output far past fp32 rounding
+        y = m(x)
+        # fp32: a few roundings of the fp32 rstd and products (as the first test's bound).
+        expected = _oracle(x, m.weight, 0.5)
+        assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(y.double(), _oracle(x, m.weight, 1e-6), rtol=1e-3, atol=1e-3)
+        m.zero_centered_gamma = True  # g = 1 + weight from now on
+        y = m(x)
+        ref = _oracle(x, 1.0 + m.weight.double(), 0.5)
+        assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(y.double(), expected, rtol=1e-3, atol=1e-3)
+
+
+def test_a_weight_placed_in_parameters_directly_is_the_one_used(torch_gen):
+    # `_parameters["weight"] = p` skips __setattr__: the decided path still sees it.
+    m = _module(16, torch.float32)
+    x = torch.randn(3, 16, generator=torch_gen)
+    with torch.no_grad():
+        m(x)
+        decided = m.__dict__["_lean"]
+        new = torch.nn.Parameter(torch.rand(16, generator=torch_gen) + 0.5, requires_grad=False)
+        m._parameters["weight"] = new
+        y = m(x)
+    assert m.__dict__["_lean"] is not decided
+    assert torch.allclose(y.double(), _oracle(x, new, 1e-6), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(y.double(), _oracle(x, decided.weight, 1e-6), rtol=1e-3, atol=1e-3)
+
+
+def test_decided_paths_count_every_call_across_resets(torch_gen):
+    # Lean calls are counted by tallies (one `next` each) beside the router's
+    # records: both show in paths() and reasons, and a reset zeroes both.
+    m = _module(32, torch.bfloat16)
+    x = torch.randn(4, 32, generator=torch_gen).to(torch.bfloat16)
+    tokens = torch.randn(6, 8, generator=torch_gen)
+    routing = torch.zeros(6, 3, dtype=torch.bool)
+    routing[torch.arange(6), torch.arange(6) % 3] = True
+    with torch.no_grad():
+        m(x)  # decides
+        leanstep.reset_paths()
+        for _ in range(3):
+            m(x)
+            lt.permute(tokens, routing)
+    report = leanstep.paths()["ops"]
+    assert report["rmsnorm.forward"]["calls"] == {"cpu": {"cpu": 3}}
+    assert report["moe.permute"]["calls"] == {"cpu": {"cpu": 3}}
+    reasons = _backend.reasons()
+    assert sum(reasons["rmsnorm.forward"]["cpu"]["cpu"].values()) == 3
+    assert reasons["moe.permute"]["cpu"]["cpu"] == {"CPU tensors": 3}
+    leanstep.reset_paths()
+    assert "rmsnorm.forward" not in _backend.calls() and "moe.permute" not in _backend.calls()
+    with torch.no_grad():
+        m(x)
+    assert _backend.calls()["rmsnorm.forward"] == {"cpu": {"cpu": 1}}
+    with pytest.raises(leanstep.Error, match="not in the op table"):
+        _backend.tally("rmsnorm.sideways", "cpu", "cpu")
+
+
 def test_a_negated_view_is_not_read_as_its_memory():
     # DLPack's exchange table hands over the un-negated memory: the decided path
     # gives such a view to the full path, whose clear error it gets.
