@@ -126,7 +126,10 @@ class GradPlan:
         memory the native plan's pointers name. For one call: the result holds
         the grads and does not re-check them (nothing runs in between). None
         when a device plan's region lies in another storage now."""
-        bound = copy.copy(self)
+        # A shallow copy without copy.copy's reduce protocol (about 7 us against 1 us,
+        # measured right after a fresh list of 3168 views is made, as Megatron makes it).
+        bound = object.__new__(type(self))
+        bound.__dict__.update(self.__dict__)
         bound._grads = grads
         bound._like = grads[0] if grads else like
         if self.backend in ("torch", "triton"):

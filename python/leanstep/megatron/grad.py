@@ -92,20 +92,28 @@ def _make_get_grad_norm_fp32(original, spec):
             return total.pow(1.0 / p)
         # Otherwise the installed code returns total.item() ** (1 / p), a Python
         # float: the same double, computed on the device (see host_float_pow).
-        return host_float_pow(total[0], 1.0 / p)
+        return host_float_pow(total, 1.0 / p)
 
     return get_grad_norm_fp32
 
 
 def host_float_pow(value, exponent):
-    """``float(value) ** exponent`` as a 0-d float64 tensor on value's device,
-    without a host read: the double Megatron's float path computes. The
-    exponent goes in as a tensor so that the C library's ``pow`` runs, as in
-    Python, on the CPU (a scalar 0.5 would become ``sqrt``)."""
+    """``float(value) ** exponent`` of a 1-element tensor, as a 0-d float64
+    tensor on value's device, without a host read: the double Megatron's
+    float path computes. The exponent goes in as a tensor so that the C
+    library's ``pow`` runs, as in Python, on the CPU (a scalar 0.5 would
+    become ``sqrt``); that tensor is made once per exponent and device (a
+    fresh one costs a host-to-device copy, and several microseconds on the
+    CPU, each step)."""
     base = value.to(torch.float64).reshape(())
     if exponent == 1.0:
         return base
-    return torch.pow(base, torch.tensor(exponent, dtype=torch.float64, device=base.device))
+    return torch.pow(base, _exponent_tensor(exponent, base.device))
+
+
+@functools.lru_cache(maxsize=16)
+def _exponent_tensor(exponent, device):
+    return torch.tensor(exponent, dtype=torch.float64, device=device)
 
 
 def host_float_clip_scale(max_norm, total_norm):
