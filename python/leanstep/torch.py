@@ -391,10 +391,20 @@ class RMSNorm(torch.nn.RMSNorm):
             extra += f", rounding={self.rounding}"
         return extra
 
+    def __getstate__(self):
+        # A copy (deepcopy, pickle, torch.save) decides for itself: the cached decision
+        # names this module's weight, holds a call counter and may hold a kernels module.
+        state = super().__getstate__()
+        state.pop("_lean", None)
+        return state
+
     def __setattr__(self, name, value):
-        # Any attribute set (eps, rounding, backend, weight, ...) drops the cached
+        # An attribute set (eps, rounding, backend, weight, ...) drops the cached
         # decision: the next call decides again (_LeanPath reads no option per call).
-        self.__dict__.pop("_lean", None)
+        # Not `training`: .train() / .eval() set it on every module, in some trainers
+        # each step (the HF Trainer's training_step), and no decision depends on it.
+        if name != "training":
+            self.__dict__.pop("_lean", None)
         super().__setattr__(name, value)
 
     def _delegate_forward(self, x):

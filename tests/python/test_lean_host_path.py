@@ -140,7 +140,11 @@ def test_an_option_set_after_the_decision_decides_again(torch_gen):
     x = torch.randn(5, 24, generator=torch_gen)
     with torch.no_grad():
         m(x)
-        assert "_lean" in m.__dict__
+        decided = m.__dict__["_lean"]
+        m.train()
+        m.eval()  # .train() / .eval() (each step in some trainers) keep the decision
+        m(x)
+        assert m.__dict__["_lean"] is decided
         m.eps = 0.5  # large enough to move every output far past fp32 rounding
         y = m(x)
         # fp32: a few roundings of the fp32 rstd and products (as the first test's bound).
@@ -167,6 +171,27 @@ def test_a_weight_placed_in_parameters_directly_is_the_one_used(torch_gen):
     assert m.__dict__["_lean"] is not decided
     assert torch.allclose(y.double(), _oracle(x, new, 1e-6), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(y.double(), _oracle(x, decided.weight, 1e-6), rtol=1e-3, atol=1e-3)
+
+
+def test_a_copied_or_pickled_module_decides_for_itself(torch_gen, tmp_path):
+    import copy
+
+    m = _module(16, torch.bfloat16)
+    x = torch.randn(3, 16, generator=torch_gen).to(torch.bfloat16)
+    with torch.no_grad():
+        y = m(x)
+        assert "_lean" in m.__dict__
+        twin = copy.deepcopy(m)
+        assert "_lean" not in twin.__dict__ and "_lean" in m.__dict__
+        torch.save(m, tmp_path / "m.pt")
+        loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+        assert "_lean" not in loaded.__dict__
+        leanstep.reset_paths()
+        for module in (twin, loaded):
+            assert torch.equal(module(x), y)
+            assert torch.equal(module(x), y)  # decided now: its own weight, its own count
+            assert module.__dict__["_lean"].weight is module.weight
+    assert _backend.calls()["rmsnorm.forward"] == {"cpu": {"cpu": 4}}
 
 
 def test_decided_paths_count_every_call_across_resets(torch_gen):
