@@ -134,43 +134,46 @@ def test_a_new_dtype_or_width_decides_again():
         m(torch.randn(2, 17))  # torch's own error, as before
 
 
-def test_an_option_set_after_the_decision_decides_again(torch_gen):
-    # The decided path reads no option per call: setting one drops the decision.
-    m = _module(24, torch.float32)
-    x = torch.randn(5, 24, generator=torch_gen)
+def _decided_fp32(width, rows, torch_gen):
+    """(module, x, its decision) after one no_grad call."""
+    m = _module(width, torch.float32)
+    x = torch.randn(rows, width, generator=torch_gen)
     with torch.no_grad():
         m(x)
-        decided = m.__dict__["_lean"]
+    return m, x, m.__dict__["_lean"]
+
+
+def _assert_norm_of(y, expected, instead):
+    """y is the fp32 norm `expected` (float64 oracle; a few roundings of the fp32 rstd and
+    products, as the first test's bound), far from `instead`."""
+    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(y.double(), instead, rtol=1e-3, atol=1e-3)
+
+
+def test_an_option_set_after_the_decision_decides_again(torch_gen):
+    # The decided path reads no option per call: setting one drops the decision.
+    m, x, decided = _decided_fp32(24, 5, torch_gen)
+    with torch.no_grad():
         m.train()
         m.eval()  # .train() / .eval() (each step in some trainers) keep the decision
         m(x)
         assert m.__dict__["_lean"] is decided
         m.eps = 0.5  # large enough to move every output far past fp32 rounding
-        y = m(x)
-        # fp32: a few roundings of the fp32 rstd and products (as the first test's bound).
         expected = _oracle(x, m.weight, 0.5)
-        assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-6)
-        assert not torch.allclose(y.double(), _oracle(x, m.weight, 1e-6), rtol=1e-3, atol=1e-3)
+        _assert_norm_of(m(x), expected, _oracle(x, m.weight, 1e-6))
         m.zero_centered_gamma = True  # g = 1 + weight from now on
-        y = m(x)
-        ref = _oracle(x, 1.0 + m.weight.double(), 0.5)
-        assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-6)
-        assert not torch.allclose(y.double(), expected, rtol=1e-3, atol=1e-3)
+        _assert_norm_of(m(x), _oracle(x, 1.0 + m.weight.double(), 0.5), expected)
 
 
 def test_a_weight_placed_in_parameters_directly_is_the_one_used(torch_gen):
     # `_parameters["weight"] = p` skips __setattr__: the decided path still sees it.
-    m = _module(16, torch.float32)
-    x = torch.randn(3, 16, generator=torch_gen)
+    m, x, decided = _decided_fp32(16, 3, torch_gen)
+    new = torch.nn.Parameter(torch.rand(16, generator=torch_gen) + 0.5, requires_grad=False)
+    m._parameters["weight"] = new
     with torch.no_grad():
-        m(x)
-        decided = m.__dict__["_lean"]
-        new = torch.nn.Parameter(torch.rand(16, generator=torch_gen) + 0.5, requires_grad=False)
-        m._parameters["weight"] = new
         y = m(x)
     assert m.__dict__["_lean"] is not decided
-    assert torch.allclose(y.double(), _oracle(x, new, 1e-6), rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(y.double(), _oracle(x, decided.weight, 1e-6), rtol=1e-3, atol=1e-3)
+    _assert_norm_of(y, _oracle(x, new, 1e-6), _oracle(x, decided.weight, 1e-6))
 
 
 def test_a_copied_or_pickled_module_decides_for_itself(torch_gen, tmp_path):
