@@ -571,8 +571,8 @@ class _LeanPath:
     code) or "triton" (the Triton kernels' autograd entry)."""
 
     __slots__ = ("x_type", "x_dtype", "x_device", "x_on_cpu", "width", "x_contiguous", "weight",
-                 "w_dtype", "w_requires_grad", "eps", "zero_centered_gamma", "cast_then_scale", "why",
-                 "decision", "exact", "frozen_weight_only", "backend", "kernels",
+                 "w_dtype", "w_requires_grad", "eps", "zero_centered_gamma", "cast_then_scale",
+                 "why", "decision", "exact", "frozen_weight_only", "backend", "kernels",
                  "torch_fused", "device_type", "rounding", "automatic", "tally")
 
     def __init__(self, module, x, eps, why, decision, exact=False, backend="cpu", kernels=None):
@@ -599,7 +599,7 @@ class _LeanPath:
         self.device_type = "cpu" if backend == "cpu" else x.device.type
         self.tally = _backend.tally("rmsnorm.forward", backend, self.device_type, why)
         self.torch_fused = backend == "torch" and _torch_fused_op(
-            x, module.weight, module.zero_centered_gamma, module.rounding)
+            x, w, module.zero_centered_gamma, module.rounding)
         # A device backend chosen automatically depends on LEANSTEP_TRITON and the
         # preset too: either changing sends the next call back to the full path.
         self.automatic = (_automatic_state() if backend != "cpu" and module.backend is None

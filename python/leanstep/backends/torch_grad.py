@@ -36,6 +36,15 @@ _OFFSET_MASK = (1 << _STORAGE_SPACING_BITS) - 1
 PLAN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+def shallow_copy(plan):
+    """``copy.copy`` of a plan object for a per-call bind: the same attributes,
+    without copy's reduce protocol (measured right after a fresh list of 3168
+    views, as Megatron makes it each step: 18.5 us against 6.6 us)."""
+    bound = object.__new__(type(plan))
+    bound.__dict__.update(plan.__dict__)
+    return bound
+
+
 def dtype_name(dtype):
     return str(dtype).removeprefix("torch.")
 
@@ -171,7 +180,7 @@ class TorchGradPlan:
         bases = self._bases(grads)
         if bases is None:
             return None
-        bound = copy.copy(self)
+        bound = shallow_copy(self)
         bound._realise(grads, bases)
         return bound
 

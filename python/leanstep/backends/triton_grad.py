@@ -52,7 +52,8 @@ import triton.language as tl
 from .._leanstep import Error
 from . import triton_common as tc
 from . import torch_grad
-from .torch_grad import TorchGradPlan, ViewGroup, byte_range, dtype_name, pairs_share_memory
+from .torch_grad import (TorchGradPlan, ViewGroup, byte_range, dtype_name, pairs_share_memory,
+                         shallow_copy)
 from .triton_common import (
     load_f32,
     load_f64,
@@ -433,7 +434,7 @@ class TritonGradPlan:
         tp = self.torch_plan.bind(grads)
         if tp is None:
             return None
-        bound = copy.copy(self)
+        bound = shallow_copy(self)
         bound._split(tp)
         return bound
 

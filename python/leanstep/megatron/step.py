@@ -308,9 +308,10 @@ def masked_adam_step(inner, found_inf):
     on CUDA the foreach implementation, whose update rounds differently), with
     the step counters moved to the device (they count only taken steps) and
     the bias corrections computed there in float64, as torch computes them in
-    Python floats from its host counters; the new moments and parameters are committed with ``torch.where``
-    on the flag. Low-precision params (fp16, bf16) take torch's roundings: the
-    ops torch runs with a Python-float scalar compute in fp32 and round once.
+    Python floats from its host counters; the new moments and parameters are
+    committed with ``torch.where`` on the flag. Low-precision params (fp16,
+    bf16) take torch's roundings: the ops torch runs with a Python-float
+    scalar compute in fp32 and round once.
     Where a group's counters are known to be equal and distinct (every
     parameter has had a grad at every step since they moved to the device,
     checked on the host), the bias corrections are computed once for the group
