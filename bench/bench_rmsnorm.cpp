@@ -50,7 +50,7 @@ void BM_RmsNorm(benchmark::State& state) {
 }
 
 #define RMSNORM_BENCH(dtype, op, name) \
-  BENCHMARK(BM_RmsNorm<dtype, op>)->Name(name)->Arg(2048)->Arg(5120)->Unit(benchmark::kMicrosecond)
+  BENCHMARK(BM_RmsNorm<dtype, op>)->Name(name)->Arg(256)->Arg(2048)->Arg(5120)->Unit(benchmark::kMicrosecond)
 
 RMSNORM_BENCH(DType::kFloat32, 0, "forward/fp32");
 RMSNORM_BENCH(DType::kBFloat16, 0, "forward/bf16");

@@ -62,13 +62,9 @@ void forward_fused(const Tensor& x, const Tensor& gamma, const Tensor& y, const 
   auto inv_rms = [&](float sum) { return 1.0f / std::sqrt(sum / static_cast<float>(h) + eps); };
 
   leanstep::detail::parallel_chunks(s.rows, detail::rows_per_chunk(h), [&](int64_t, int64_t begin, int64_t end) {
-    if (direct) {  // two passes over the row in its own dtype; the second from cache
-      for (int64_t row = begin; row < end; ++row) {
-        const void* xr = row_ptr(x, row, h);
-        const float r = inv_rms(sum_squares(xr, h));
-        rstd_out[row] = r;
-        scale_row(xr, r, g.data(), row_ptr_mut(y, row, h), h);
-      }
+    if (direct) {  // two passes over each row in its own dtype; the second from cache
+      kernels.forward_rows(row_ptr(x, begin, h), g.data(), row_ptr_mut(y, begin, h), rstd_out + begin, eps,
+                           end - begin, h);
       return;
     }
     Scratch scratch(h, 3);  // widened x, fp32 output, x-dtype rounding buffer
@@ -143,13 +139,9 @@ void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const
 
   leanstep::detail::parallel_chunks(s.rows, chunk_rows, [&](int64_t c, int64_t begin, int64_t end) {
     float* partial = trainable ? partials_data + static_cast<size_t>(c * h) : nullptr;
-    if (direct) {  // two passes over the row in its own dtype; the second from cache
-      for (int64_t row = begin; row < end; ++row) {
-        const void* dyr = row_ptr(dy, row, h);
-        const void* xr = row_ptr(x, row, h);
-        const float r = rstd_in[row];
-        kernels.dx_row(g.data(), dyr, xr, r, mean_dot(dyr, xr, r, partial), row_ptr_mut(dx, row, h), h);
-      }
+    if (direct) {  // two passes over each row in its own dtype; the second from cache
+      kernels.backward_rows(g.data(), row_ptr(dy, begin, h), row_ptr(x, begin, h), rstd_in + begin, partial,
+                            row_ptr_mut(dx, begin, h), end - begin, h);
       return;
     }
     Scratch scratch(h, 3);  // widened dy, widened x, fp32 dx

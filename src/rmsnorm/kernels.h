@@ -19,6 +19,11 @@ struct RowKernels {
   float (*dot_accumulate)(const float* g, const void* dy, const void* x, float r, float* partial, int64_t n);
   // dx = r * (g*dy - (x*r) * m)
   void (*dx_row)(const float* g, const void* dy, const void* x, float r, float m, void* dx, int64_t n);
+  // The direct paths over `rows` consecutive rows of n (the row kernels' arithmetic, row by
+  // row): y and rstd (rstd may be null); dx, with the chunk's dgamma partial when not null.
+  void (*forward_rows)(const void* x, const float* g, void* y, float* rstd, float eps, int64_t rows, int64_t n);
+  void (*backward_rows)(const float* g, const void* dy, const void* x, const float* rstd, float* partial,
+                        void* dx, int64_t rows, int64_t n);
 };
 
 // Read at each call (tests switch the Highway target between calls).

@@ -26,6 +26,8 @@ namespace leanstep::rmsnorm::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 constexpr size_t kPad = HWY_MAX_BYTES / sizeof(float);  // room for one vector of any target
+// The bytes of a block of rows whose second pass runs from L1 (ForwardRowsT).
+constexpr size_t kBlockBytes = size_t{16} << 10;
 
 // ---- typed loads/stores: rows are read and written in their storage dtype
 // (fp32 or bf16) and widened in registers; all arithmetic is fp32.
@@ -187,6 +189,50 @@ void DxRowT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r,
   }
 }
 
+// Whole chunks of rows in one call, for the direct (fp32 / bf16) paths: the
+// row loop runs inside the target's code, so a short row (the hidden sizes of
+// small models, 256) pays no per-row indirect calls or constant set-up. Each
+// row sees exactly the arithmetic of the row kernels above.
+template <DType kT>
+void ForwardRowsT(const void* x, const float* HWY_RESTRICT g, void* y, float* HWY_RESTRICT rstd, float eps,
+                  int64_t rows, int64_t n) {
+  const size_t row_bytes = static_cast<size_t>(n) * dtype_size(kT);
+  // Rows go in blocks of up to kBlockRows that fit in L1 together: the statistics of
+  // the whole block first (independent dependency chains, each ending in a reduction,
+  // a divide and a square root, that overlap), then the scaling, from cache.
+  constexpr int64_t kBlockRows = 16;
+  const int64_t block_rows =
+      std::clamp<int64_t>(static_cast<int64_t>(kBlockBytes / std::max<size_t>(row_bytes, 1)), 1, kBlockRows);
+  float r[kBlockRows];
+  for (int64_t begin = 0; begin < rows; begin += block_rows) {
+    const int64_t count = std::min(block_rows, rows - begin);
+    const char* xb = static_cast<const char*>(x) + static_cast<size_t>(begin) * row_bytes;
+    for (int64_t k = 0; k < count; ++k)
+      r[k] = 1.0f / std::sqrt(SumSquaresT<kT>(xb + static_cast<size_t>(k) * row_bytes, n) / static_cast<float>(n) + eps);
+    char* yb = static_cast<char*>(y) + static_cast<size_t>(begin) * row_bytes;
+    for (int64_t k = 0; k < count; ++k) {
+      if (rstd) rstd[begin + k] = r[k];
+      ScaleRowT<kT>(xb + static_cast<size_t>(k) * row_bytes, r[k], g, yb + static_cast<size_t>(k) * row_bytes, n);
+    }
+  }
+}
+
+// dx of whole chunks of rows; `partial`: the dgamma partial of the chunk (trainable), or null.
+template <DType kT>
+void BackwardRowsT(const float* HWY_RESTRICT g, const void* dy, const void* x, const float* HWY_RESTRICT rstd,
+                   float* HWY_RESTRICT partial, void* dx, int64_t rows, int64_t n) {
+  const size_t row_bytes = static_cast<size_t>(n) * dtype_size(kT);
+  for (int64_t row = 0; row < rows; ++row) {
+    const size_t at = static_cast<size_t>(row) * row_bytes;
+    const void* dyr = static_cast<const char*>(dy) + at;
+    const void* xr = static_cast<const char*>(x) + at;
+    const float r = rstd[row];
+    const float dot = partial ? GdyXhatDotT<kT, true>(g, dyr, xr, r, partial, n)
+                              : GdyXhatDotT<kT, false>(g, dyr, xr, r, nullptr, n);
+    DxRowT<kT>(g, dyr, xr, r, dot / static_cast<float>(n), static_cast<char*>(dx) + at, n);
+  }
+}
+
 // Exported instantiations: fp32 rows (also the widened rows of other dtypes)
 // and bf16 rows read and written directly.
 float SumSquaresF32(const void* x, int64_t n) { return SumSquaresT<DType::kFloat32>(x, n); }
@@ -210,6 +256,21 @@ void DxRowF32(const float* g, const void* dy, const void* x, float r, float m, v
 }
 void DxRowBF16(const float* g, const void* dy, const void* x, float r, float m, void* dx, int64_t n) {
   DxRowT<DType::kBFloat16>(g, dy, x, r, m, dx, n);
+}
+
+void ForwardRowsF32(const void* x, const float* g, void* y, float* rstd, float eps, int64_t rows, int64_t n) {
+  ForwardRowsT<DType::kFloat32>(x, g, y, rstd, eps, rows, n);
+}
+void ForwardRowsBF16(const void* x, const float* g, void* y, float* rstd, float eps, int64_t rows, int64_t n) {
+  ForwardRowsT<DType::kBFloat16>(x, g, y, rstd, eps, rows, n);
+}
+void BackwardRowsF32(const float* g, const void* dy, const void* x, const float* rstd, float* partial, void* dx,
+                     int64_t rows, int64_t n) {
+  BackwardRowsT<DType::kFloat32>(g, dy, x, rstd, partial, dx, rows, n);
+}
+void BackwardRowsBF16(const float* g, const void* dy, const void* x, const float* rstd, float* partial, void* dx,
+                      int64_t rows, int64_t n) {
+  BackwardRowsT<DType::kBFloat16>(g, dy, x, rstd, partial, dx, rows, n);
 }
 
 // out = x * r
@@ -255,6 +316,10 @@ HWY_EXPORT(GdyXhatDotAccumulateF32);
 HWY_EXPORT(GdyXhatDotAccumulateBF16);
 HWY_EXPORT(DxRowF32);
 HWY_EXPORT(DxRowBF16);
+HWY_EXPORT(ForwardRowsF32);
+HWY_EXPORT(ForwardRowsBF16);
+HWY_EXPORT(BackwardRowsF32);
+HWY_EXPORT(BackwardRowsBF16);
 HWY_EXPORT(MulScalar);
 HWY_EXPORT(MulRow);
 HWY_EXPORT(AddRow);
@@ -269,6 +334,8 @@ RowKernels row_kernels(bool bf16) {
   k.dot_accumulate =
       bf16 ? HWY_DYNAMIC_DISPATCH(GdyXhatDotAccumulateBF16) : HWY_DYNAMIC_DISPATCH(GdyXhatDotAccumulateF32);
   k.dx_row = bf16 ? HWY_DYNAMIC_DISPATCH(DxRowBF16) : HWY_DYNAMIC_DISPATCH(DxRowF32);
+  k.forward_rows = bf16 ? HWY_DYNAMIC_DISPATCH(ForwardRowsBF16) : HWY_DYNAMIC_DISPATCH(ForwardRowsF32);
+  k.backward_rows = bf16 ? HWY_DYNAMIC_DISPATCH(BackwardRowsBF16) : HWY_DYNAMIC_DISPATCH(BackwardRowsF32);
   return k;
 }
 
