@@ -14,6 +14,7 @@
 #define LEANSTEP_CORE_BF16_INL_H_
 #endif
 
+#include "core/cpu_features.h"
 #include "hwy/highway.h"
 #include "leanstep/core.h"
 
@@ -55,6 +56,27 @@ HWY_INLINE void StoreBF16(DF df, hn::Vec<DF> v, uint16_t* HWY_RESTRICT dst) {
 #if HWY_TARGET != HWY_SCALAR
 template <class DF>
 HWY_INLINE void StoreBF16x2(DF df, hn::Vec<DF> lo, hn::Vec<DF> hi, uint16_t* HWY_RESTRICT dst) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  // Where the CPU has AVX512_BF16 (detail::g_bf16_hardware_rounding), one
+  // VCVTNE2PS2BF16 rounds both vectors: the same rounding and quiet NaN as
+  // below, except that it reads fp32 subnormals as zero, so a pair with a
+  // subnormal lane takes the code below. Inline assembly: the target's flags
+  // (Highway's AVX3) do not include avx512bf16.
+  if constexpr (hn::MaxLanes(DF()) == 16) {
+    if (leanstep::detail::g_bf16_hardware_rounding.load(std::memory_order_relaxed)) {
+      constexpr int kSubnormal = 0x20;  // VFPCLASSPS category: denormal
+      const auto subnormal = _mm512_kor(_mm512_fpclass_ps_mask(lo.raw, kSubnormal),
+                                        _mm512_fpclass_ps_mask(hi.raw, kSubnormal));
+      if (HWY_LIKELY(_mm512_kortestz(subnormal, subnormal))) {
+        __m512i packed;
+        // AT&T order: the first source fills the low half.
+        asm("vcvtne2ps2bf16 %[lo], %[hi], %[out]" : [out] "=v"(packed) : [lo] "v"(lo.raw), [hi] "v"(hi.raw));
+        _mm512_storeu_si512(dst, packed);
+        return;
+      }
+    }
+  }
+#endif
   const hn::Repartition<uint16_t, DF> d16;
   const auto odd = hn::ConcatOdd(d16, hn::BitCast(d16, F32ToBF16High(df, hi)),
                                  hn::BitCast(d16, F32ToBF16High(df, lo)));

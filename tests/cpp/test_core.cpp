@@ -16,6 +16,7 @@
 #include "core/parallel.h"
 #include "leanstep/buffer.h"
 #include "leanstep/core.h"
+#include "bf16_rounding_util.h"
 #include "test_util.h"
 
 using namespace leanstep;
@@ -136,6 +137,51 @@ TEST(Core, BulkBF16KeepsNaNWithLowPayload) {
   std::vector<uint16_t> out(src.size());
   convert_from_f32(src.data(), out.data(), DType::kBFloat16, static_cast<int64_t>(src.size()));
   for (size_t i = 0; i < src.size(); ++i) EXPECT_TRUE(std::isnan(bf16_to_float(out[i]))) << i;
+}
+
+// fp32 values whose bf16 rounding is easy to get wrong: subnormals (the
+// instruction reads them as zero), signed zeros, NaNs with payloads in either
+// half, infinities, exact ties either way, the largest finite values (they
+// round to inf), and random bits. `subnormal_every`: one subnormal in so many
+// values (the rest of a vector pair then takes the fast path).
+std::vector<float> bf16_rounding_cases(std::mt19937_64& rng, size_t n, size_t subnormal_every) {
+  const uint32_t specials[] = {0x00000000u, 0x80000000u, 0x7F800000u, 0xFF800000u, 0x7FC00000u, 0xFFC00001u,
+                               0x7F800001u, 0x7FBF0000u, 0x3F808000u, 0x3F818000u, 0xBF808000u, 0x7F7FFFFFu,
+                               0xFF7FFFFFu, 0x7F7F8000u, 0x00800000u, 0x80800000u, 0x3F7FFFFFu, 0x00008000u};
+  std::uniform_int_distribution<uint32_t> bits;
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t b = bits(rng);
+    if (i % 7 == 3) b = specials[bits(rng) % std::size(specials)];
+    if (subnormal_every && i % subnormal_every == subnormal_every / 2) b = (b & 0x807FFFFFu) | 1u;
+    else if ((b & 0x7F800000u) == 0 && (b & 0x007FFFFFu) != 0) b |= 0x00800000u;  // no stray subnormal
+    v[i] = bits_float(b);
+  }
+  return v;
+}
+
+TEST(Core, BF16HardwareRoundingGivesThePortableBits) {
+  if (!detail::cpu_has_avx512_bf16()) GTEST_SKIP() << "this CPU has no AVX512_BF16";
+  ASSERT_TRUE(detail::g_bf16_hardware_rounding.load()) << "on by default where the CPU has it";
+  std::mt19937_64 rng(test_seed());
+  for (size_t subnormal_every : {size_t{0}, size_t{5}, size_t{97}}) {
+    for (int64_t n : {0, 1, 31, 32, 33, 64, 1000, 4099}) {
+      const std::vector<float> src = bf16_rounding_cases(rng, static_cast<size_t>(n), subnormal_every);
+      std::vector<uint16_t> hardware(src.size()), portable(src.size());
+      {
+        leanstep::testing::HardwareBF16Rounding on(true);
+        convert_from_f32(src.data(), hardware.data(), DType::kBFloat16, n);
+      }
+      {
+        leanstep::testing::HardwareBF16Rounding off(false);
+        convert_from_f32(src.data(), portable.data(), DType::kBFloat16, n);
+      }
+      for (size_t i = 0; i < src.size(); ++i) {
+        ASSERT_EQ(hardware[i], portable[i]) << "n=" << n << " i=" << i << " bits 0x" << std::hex << float_bits(src[i]);
+        ASSERT_EQ(hardware[i], float_to_bf16(src[i])) << "n=" << n << " i=" << i;
+      }
+    }
+  }
 }
 
 TEST(Core, TensorViewBasics) {

@@ -15,6 +15,7 @@
 #include "leanstep/buffer.h"
 #include "leanstep/rmsnorm.h"
 #include "rmsnorm_util.h"
+#include "bf16_rounding_util.h"
 #include "test_util.h"
 
 namespace leanstep {
@@ -315,6 +316,45 @@ TEST(RmsNormEmpty, ZeroRowsJustWorkAndDgammaIsAnEmptySum) {
     Buffer g16(dt, {16});
     EXPECT_NO_THROW(rn::forward_fused(x3, g16, y3, r3, {}));
     EXPECT_NO_THROW(rn::backward_fused(x3, x3, r3, g16, y3, nullptr, {}));
+  }
+}
+
+TEST(RmsNorm, HardwareBF16RoundingKeepsTheBits) {
+  if (!leanstep::detail::cpu_has_avx512_bf16()) GTEST_SKIP() << "this CPU has no AVX512_BF16";
+  std::mt19937_64 rng(test_seed());
+  std::normal_distribution<float> normal;
+  // Widths with and without a tail; a weight of tiny values makes subnormal outputs.
+  for (int64_t h : {32, 256, 257, 2048}) {
+    for (float scale : {1.0f, 1e-37f}) {
+      const int64_t rows = 37;
+      std::vector<float> xf(static_cast<size_t>(rows * h)), gf(static_cast<size_t>(h)), dyf(xf.size());
+      for (auto& v : xf) v = normal(rng);
+      for (auto& v : dyf) v = normal(rng);
+      for (auto& v : gf) v = normal(rng) * scale;
+      Buffer x(DType::kBFloat16, {rows, h}), dy(DType::kBFloat16, {rows, h}), gamma(DType::kBFloat16, {h});
+      convert_from_f32(xf.data(), x.data(), DType::kBFloat16, rows * h);
+      convert_from_f32(dyf.data(), dy.data(), DType::kBFloat16, rows * h);
+      convert_from_f32(gf.data(), gamma.data(), DType::kBFloat16, h);
+      std::vector<uint16_t> y[2], dx[2];
+      for (int on = 0; on < 2; ++on) {
+        HardwareBF16Rounding rounding(on == 1);
+        Buffer yb(DType::kBFloat16, {rows, h}), dxb(DType::kBFloat16, {rows, h}), rstd(DType::kFloat32, {rows});
+        rn::forward_fused(x, gamma, yb, rstd, {});
+        rn::backward_fused(dy, x, rstd, gamma, dxb, nullptr, {});
+        const auto* yp = static_cast<const uint16_t*>(yb.data());
+        const auto* dxp = static_cast<const uint16_t*>(dxb.data());
+        y[static_cast<size_t>(on)].assign(yp, yp + rows * h);
+        dx[static_cast<size_t>(on)].assign(dxp, dxp + rows * h);
+      }
+      EXPECT_EQ(y[0], y[1]) << "h=" << h << " scale " << scale;
+      EXPECT_EQ(dx[0], dx[1]) << "h=" << h << " scale " << scale;
+      if (scale < 1.0f) {  // the tiny weight did make subnormal outputs: the fallback ran
+        const bool subnormal = std::any_of(y[1].begin(), y[1].end(), [](uint16_t b) {
+          return (b & 0x7F80u) == 0 && (b & 0x007Fu) != 0;
+        });
+        EXPECT_TRUE(subnormal) << "h=" << h;
+      }
+    }
   }
 }
 
