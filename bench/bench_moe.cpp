@@ -1,5 +1,6 @@
 // Google Benchmark programs for MoE kernel work (the user-facing comparison is
-// `leanstep bench moe`). Shape: T=4096, E=128, k=8, H=2048 (Qwen3-Omni-like).
+// `leanstep bench moe`). Shapes: T=4096, E=128, k=8, H=2048 (Qwen3-Omni-like), and
+// the main job's T=128, E=8, k=2, H=256, where per-call costs show.
 #include <benchmark/benchmark.h>
 
 #include <random>
@@ -12,11 +13,13 @@ namespace {
 using namespace leanstep;
 
 struct Setup {
-  static constexpr int64_t T = 4096, E = 128, k = 8, H = 2048;
-  Buffer map{DType::kBool, {T, E}}, probs{DType::kFloat32, {T, E}}, tpe{DType::kInt64, {E}};
+  int64_t T, E, k, H;
+  Buffer map, probs, tpe;
   Buffer tokens, permuted, permuted_probs, indices, restored;
   int64_t N = 0;
-  explicit Setup(DType dtype) {
+  Setup(DType dtype, bool small)
+      : T(small ? 128 : 4096), E(small ? 8 : 128), k(small ? 2 : 8), H(small ? 256 : 2048),
+        map(DType::kBool, {T, E}), probs(DType::kFloat32, {T, E}), tpe(DType::kInt64, {E}) {
     Buffer logits(DType::kFloat32, {T, E});
     std::mt19937 rng(1);
     std::normal_distribution<float> d;
@@ -38,7 +41,7 @@ struct Setup {
 };
 
 void BM_Permute(benchmark::State& state) {
-  Setup s(state.range(0) ? DType::kBFloat16 : DType::kFloat32);
+  Setup s(state.range(0) ? DType::kBFloat16 : DType::kFloat32, state.range(2) != 0);
   const auto method = state.range(1) ? moe::Method::kFused : moe::Method::kSort;
   for (auto _ : state)
     moe::permute(s.tokens, s.map, &s.probs.view(), s.N, false, method, s.permuted, &s.permuted_probs.view(), s.indices);
@@ -46,15 +49,17 @@ void BM_Permute(benchmark::State& state) {
 }
 
 void BM_Unpermute(benchmark::State& state) {
-  Setup s(state.range(0) ? DType::kBFloat16 : DType::kFloat32);
+  Setup s(state.range(0) ? DType::kBFloat16 : DType::kFloat32, state.range(2) != 0);
   const auto method = state.range(1) ? moe::Method::kFused : moe::Method::kSort;
   for (auto _ : state)
     moe::unpermute(s.permuted, s.indices, s.restored, &s.permuted_probs.view(), nullptr, false, method);
   state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(s.restored.nbytes() + s.permuted.nbytes()));
 }
 
-// Args: {bf16?, fused?}
-BENCHMARK(BM_Permute)->Args({0, 1})->Args({1, 1})->Args({0, 0})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Unpermute)->Args({0, 1})->Args({1, 1})->Args({0, 0})->Unit(benchmark::kMillisecond)->UseRealTime();
+// Args: {bf16?, fused?, small?}
+BENCHMARK(BM_Permute)->Args({0, 1, 0})->Args({1, 1, 0})->Args({0, 0, 0})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Unpermute)->Args({0, 1, 0})->Args({1, 1, 0})->Args({0, 0, 0})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Permute)->Args({1, 1, 1})->Args({1, 0, 1})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_Unpermute)->Args({1, 1, 1})->Args({1, 0, 1})->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 }  // namespace

@@ -233,7 +233,7 @@ TEST(MoeUnpermute, MatchesFloat64OracleAndPathsAreBitIdentical) {
       for (int64_t k : {1, 2, 5, 8}) {
         if (k > E) continue;
         for (int64_t T : {0, 1, 131})
-          for (int64_t H : {1, 3, 33}) {
+          for (int64_t H : {1, 3, 33, 80, 600}) {  // 80, 600: every vector loop, two column blocks
             SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " T=" << T << " E=" << E << " k=" << k << " H=" << H);
             Buffer map = random_map(T, E, k, rng, 0.1, E > 1 ? E - 1 : -1);
             const int64_t N = moe::count_routed(map);
