@@ -265,11 +265,11 @@ void check_tensor(const Tensor& t, std::string_view where, std::string_view arg)
 
 void check_dtype(const Tensor& t, std::initializer_list<DType> allowed, std::string_view where,
                  std::string_view arg) {
-  std::string names;
-  for (DType d : allowed) {
+  for (DType d : allowed)
     if (d == t.dtype) return;
-    names += names.empty() ? dtype_name(d) : fmt::format(", {}", dtype_name(d));
-  }
+  // The message only on failure: this check runs on every call of every op.
+  std::string names;
+  for (DType d : allowed) names += names.empty() ? dtype_name(d) : fmt::format(", {}", dtype_name(d));
   throw_arg_error(where, arg, fmt::format("must have dtype in {{{}}} (got {})", names, dtype_name(t.dtype)));
 }
 
