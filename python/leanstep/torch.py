@@ -116,9 +116,13 @@ _POOLED_BYTES = 2 << 20  # outputs from here up come from leanstep's pool (_arra
 
 
 def _output_like(t):
-    """An uninitialised output like CPU tensor `t`: torch's allocator for the
-    small ones (the common case), leanstep's pool / huge pages for large ones."""
+    """An uninitialised contiguous output like CPU tensor `t`: torch's allocator
+    for the small ones (the common case), leanstep's pool / huge pages for large
+    ones. A contiguous `t` (every lean caller's) keeps its layout under
+    empty_like's default, which parses no memory_format keyword (0.35 us)."""
     if t.nbytes < _POOLED_BYTES:
+        if t.is_contiguous():
+            return torch.empty_like(t)
         return torch.empty_like(t, memory_format=torch.contiguous_format)
     return _fresh_like(t)
 
