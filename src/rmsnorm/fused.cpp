@@ -54,27 +54,24 @@ void forward_fused(const Tensor& x, const Tensor& gamma, const Tensor& y, const 
   const float eps = static_cast<float>(options.eps);
   const bool cast_then_scale = options.rounding == RoundingOrder::kCastThenScale;
   const bool direct = x.dtype == y.dtype && direct_dtype(x.dtype) && !cast_then_scale;
-  const bool bf16 = direct && x.dtype == DType::kBFloat16;
-  const detail::RowKernels kernels = detail::row_kernels(bf16);
-  const auto sum_squares = kernels.sum_squares;
-  const auto scale_row = kernels.scale_row;
   float* rstd_out = static_cast<float*>(rstd.data);
-  auto inv_rms = [&](float sum) { return 1.0f / std::sqrt(sum / static_cast<float>(h) + eps); };
-
+  if (direct) {  // two passes over each row in its own dtype; the second from cache
+    const auto forward_rows = detail::chunk_kernels(x.dtype == DType::kBFloat16).forward_rows;
+    leanstep::detail::parallel_chunks(s.rows, detail::rows_per_chunk(h), [&](int64_t, int64_t begin, int64_t end) {
+      forward_rows(row_ptr(x, begin, h), g.data(), row_ptr_mut(y, begin, h), rstd_out + begin, eps, end - begin, h);
+    });
+    return;
+  }
+  const detail::RowKernels kernels = detail::row_kernels();
   leanstep::detail::parallel_chunks(s.rows, detail::rows_per_chunk(h), [&](int64_t, int64_t begin, int64_t end) {
-    if (direct) {  // two passes over each row in its own dtype; the second from cache
-      kernels.forward_rows(row_ptr(x, begin, h), g.data(), row_ptr_mut(y, begin, h), rstd_out + begin, eps,
-                           end - begin, h);
-      return;
-    }
     Scratch scratch(h, 3);  // widened x, fp32 output, x-dtype rounding buffer
     for (int64_t row = begin; row < end; ++row) {
       const float* xr = row_as_f32(x, row, h, scratch.row(0));
-      const float r = inv_rms(sum_squares(xr, h));
+      const float r = detail::inv_rms(kernels.sum_squares(xr, h), h, eps);
       rstd_out[row] = r;
       float* out = y.dtype == DType::kFloat32 ? static_cast<float*>(row_ptr_mut(y, row, h)) : scratch.row(1);
       if (!cast_then_scale) {
-        scale_row(xr, r, g.data(), out, h);
+        kernels.scale_row(xr, r, g.data(), out, h);
       } else {
         detail::mul_scalar(xr, r, out, h);
         if (x.dtype != DType::kFloat32) {  // round x*r to x's dtype, then multiply by g in fp32
@@ -112,14 +109,14 @@ void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const
   const int64_t chunks = leanstep::detail::num_chunks(s.rows, chunk_rows);
   const bool trainable = dgamma != nullptr;
   const bool direct = dy.dtype == x.dtype && dx.dtype == x.dtype && direct_dtype(x.dtype);
-  const bool bf16 = direct && x.dtype == DType::kBFloat16;
-  const detail::RowKernels kernels = detail::row_kernels(bf16);
   // Pass 1: the mean of g*dy*xhat (trainable: the dgamma partial too, in the
   // pass that streams dy and x); pass 2: dx, the frozen kernel, from cache.
+  const auto backward_rows = detail::chunk_kernels(x.dtype == DType::kBFloat16).backward_rows;  // direct
+  const detail::RowKernels kernels = detail::row_kernels();                                     // scratch
   auto mean_dot = [&](const void* dyr, const void* xr, float r, float* partial) {
     const float dot = partial ? kernels.dot_accumulate(g.data(), dyr, xr, r, partial, h)
                               : kernels.dot(g.data(), dyr, xr, r, h);
-    return dot / static_cast<float>(h);
+    return detail::row_mean(dot, h);
   };
 
   // Trainable only: one fp32 partial dgamma row per fixed chunk of rows, in the
@@ -140,8 +137,8 @@ void backward_fused(const Tensor& dy, const Tensor& x, const Tensor& rstd, const
   leanstep::detail::parallel_chunks(s.rows, chunk_rows, [&](int64_t c, int64_t begin, int64_t end) {
     float* partial = trainable ? partials_data + static_cast<size_t>(c * h) : nullptr;
     if (direct) {  // two passes over each row in its own dtype; the second from cache
-      kernels.backward_rows(g.data(), row_ptr(dy, begin, h), row_ptr(x, begin, h), rstd_in + begin, partial,
-                            row_ptr_mut(dx, begin, h), end - begin, h);
+      backward_rows(g.data(), row_ptr(dy, begin, h), row_ptr(x, begin, h), rstd_in + begin, partial,
+                    row_ptr_mut(dx, begin, h), end - begin, h);
       return;
     }
     Scratch scratch(h, 3);  // widened dy, widened x, fp32 dx

@@ -1,13 +1,22 @@
-// The RMSNorm row kernels (Highway SIMD, src/rmsnorm/kernels_simd.cpp), as
+// The RMSNorm kernels (Highway SIMD, src/rmsnorm/kernels_simd.cpp), as
 // function pointers of the best target the running CPU supports; the fused
-// path (fused.cpp) drives them. Rows are fp32, or bf16 for the bf16 variants
-// (x, dy, y and dx in the row's dtype); gamma rows and partials are fp32.
+// path (fused.cpp) drives them. Gamma rows and dgamma partials are fp32.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace leanstep::rmsnorm::detail {
 
+// The per-row scalars every path computes the same way (the direct and the
+// scratch paths give the same bits): the mean of a row's sum, and 1 / rms.
+inline float row_mean(float sum, int64_t n) { return sum / static_cast<float>(n); }
+inline float inv_rms(float sum_squares, int64_t n, float eps) {
+  return 1.0f / std::sqrt(row_mean(sum_squares, n) + eps);
+}
+
+// One fp32 row at a time: the scratch path's kernels (fp16 and mixed-dtype
+// calls widen their rows into fp32 scratch rows).
 struct RowKernels {
   // sum of x^2 over n elements, in fp32
   float (*sum_squares)(const void* x, int64_t n);
@@ -19,15 +28,20 @@ struct RowKernels {
   float (*dot_accumulate)(const float* g, const void* dy, const void* x, float r, float* partial, int64_t n);
   // dx = r * (g*dy - (x*r) * m)
   void (*dx_row)(const float* g, const void* dy, const void* x, float r, float m, void* dx, int64_t n);
-  // The direct paths over `rows` consecutive rows of n (the row kernels' arithmetic, row by
-  // row): y and rstd (rstd may be null); dx, with the chunk's dgamma partial when not null.
+};
+
+// The direct paths: `rows` consecutive rows of n, fp32 or bf16 (x, dy, y and dx in
+// the rows' own dtype), each row with the arithmetic of the row kernels: y and rstd
+// (rstd may be null); dx, with the chunk's dgamma partial when it is not null.
+struct ChunkKernels {
   void (*forward_rows)(const void* x, const float* g, void* y, float* rstd, float eps, int64_t rows, int64_t n);
   void (*backward_rows)(const float* g, const void* dy, const void* x, const float* rstd, float* partial,
                         void* dx, int64_t rows, int64_t n);
 };
 
 // Read at each call (tests switch the Highway target between calls).
-RowKernels row_kernels(bool bf16);
+RowKernels row_kernels();
+ChunkKernels chunk_kernels(bool bf16);
 
 // fp32 helpers of the scratch path: out = x * r; out = g * t; dst += src.
 void mul_scalar(const float* x, float r, float* out, int64_t n);

@@ -208,7 +208,7 @@ void ForwardRowsT(const void* x, const float* HWY_RESTRICT g, void* y, float* HW
     const int64_t count = std::min(block_rows, rows - begin);
     const char* xb = static_cast<const char*>(x) + static_cast<size_t>(begin) * row_bytes;
     for (int64_t k = 0; k < count; ++k)
-      r[k] = 1.0f / std::sqrt(SumSquaresT<kT>(xb + static_cast<size_t>(k) * row_bytes, n) / static_cast<float>(n) + eps);
+      r[k] = detail::inv_rms(SumSquaresT<kT>(xb + static_cast<size_t>(k) * row_bytes, n), n, eps);
     char* yb = static_cast<char*>(y) + static_cast<size_t>(begin) * row_bytes;
     for (int64_t k = 0; k < count; ++k) {
       if (rstd) rstd[begin + k] = r[k];
@@ -229,33 +229,22 @@ void BackwardRowsT(const float* HWY_RESTRICT g, const void* dy, const void* x, c
     const float r = rstd[row];
     const float dot = partial ? GdyXhatDotT<kT, true>(g, dyr, xr, r, partial, n)
                               : GdyXhatDotT<kT, false>(g, dyr, xr, r, nullptr, n);
-    DxRowT<kT>(g, dyr, xr, r, dot / static_cast<float>(n), static_cast<char*>(dx) + at, n);
+    DxRowT<kT>(g, dyr, xr, r, detail::row_mean(dot, n), static_cast<char*>(dx) + at, n);
   }
 }
 
-// Exported instantiations: fp32 rows (also the widened rows of other dtypes)
-// and bf16 rows read and written directly.
+// Exported instantiations: fp32 rows one at a time (the scratch path's widened
+// rows), and whole chunks of fp32 or bf16 rows read and written directly.
 float SumSquaresF32(const void* x, int64_t n) { return SumSquaresT<DType::kFloat32>(x, n); }
-float SumSquaresBF16(const void* x, int64_t n) { return SumSquaresT<DType::kBFloat16>(x, n); }
 void ScaleRowF32(const void* x, float r, const float* g, void* y, int64_t n) { ScaleRowT<DType::kFloat32>(x, r, g, y, n); }
-void ScaleRowBF16(const void* x, float r, const float* g, void* y, int64_t n) { ScaleRowT<DType::kBFloat16>(x, r, g, y, n); }
 float GdyXhatDotF32(const float* g, const void* dy, const void* x, float r, int64_t n) {
   return GdyXhatDotT<DType::kFloat32, false>(g, dy, x, r, nullptr, n);
-}
-float GdyXhatDotBF16(const float* g, const void* dy, const void* x, float r, int64_t n) {
-  return GdyXhatDotT<DType::kBFloat16, false>(g, dy, x, r, nullptr, n);
 }
 float GdyXhatDotAccumulateF32(const float* g, const void* dy, const void* x, float r, float* p, int64_t n) {
   return GdyXhatDotT<DType::kFloat32, true>(g, dy, x, r, p, n);
 }
-float GdyXhatDotAccumulateBF16(const float* g, const void* dy, const void* x, float r, float* p, int64_t n) {
-  return GdyXhatDotT<DType::kBFloat16, true>(g, dy, x, r, p, n);
-}
 void DxRowF32(const float* g, const void* dy, const void* x, float r, float m, void* dx, int64_t n) {
   DxRowT<DType::kFloat32>(g, dy, x, r, m, dx, n);
-}
-void DxRowBF16(const float* g, const void* dy, const void* x, float r, float m, void* dx, int64_t n) {
-  DxRowT<DType::kBFloat16>(g, dy, x, r, m, dx, n);
 }
 
 void ForwardRowsF32(const void* x, const float* g, void* y, float* rstd, float eps, int64_t rows, int64_t n) {
@@ -307,15 +296,10 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace leanstep::rmsnorm {
 HWY_EXPORT(SumSquaresF32);
-HWY_EXPORT(SumSquaresBF16);
 HWY_EXPORT(ScaleRowF32);
-HWY_EXPORT(ScaleRowBF16);
 HWY_EXPORT(GdyXhatDotF32);
-HWY_EXPORT(GdyXhatDotBF16);
 HWY_EXPORT(GdyXhatDotAccumulateF32);
-HWY_EXPORT(GdyXhatDotAccumulateBF16);
 HWY_EXPORT(DxRowF32);
-HWY_EXPORT(DxRowBF16);
 HWY_EXPORT(ForwardRowsF32);
 HWY_EXPORT(ForwardRowsBF16);
 HWY_EXPORT(BackwardRowsF32);
@@ -326,14 +310,18 @@ HWY_EXPORT(AddRow);
 
 namespace detail {
 
-RowKernels row_kernels(bool bf16) {
+RowKernels row_kernels() {
   RowKernels k;
-  k.sum_squares = bf16 ? HWY_DYNAMIC_DISPATCH(SumSquaresBF16) : HWY_DYNAMIC_DISPATCH(SumSquaresF32);
-  k.scale_row = bf16 ? HWY_DYNAMIC_DISPATCH(ScaleRowBF16) : HWY_DYNAMIC_DISPATCH(ScaleRowF32);
-  k.dot = bf16 ? HWY_DYNAMIC_DISPATCH(GdyXhatDotBF16) : HWY_DYNAMIC_DISPATCH(GdyXhatDotF32);
-  k.dot_accumulate =
-      bf16 ? HWY_DYNAMIC_DISPATCH(GdyXhatDotAccumulateBF16) : HWY_DYNAMIC_DISPATCH(GdyXhatDotAccumulateF32);
-  k.dx_row = bf16 ? HWY_DYNAMIC_DISPATCH(DxRowBF16) : HWY_DYNAMIC_DISPATCH(DxRowF32);
+  k.sum_squares = HWY_DYNAMIC_DISPATCH(SumSquaresF32);
+  k.scale_row = HWY_DYNAMIC_DISPATCH(ScaleRowF32);
+  k.dot = HWY_DYNAMIC_DISPATCH(GdyXhatDotF32);
+  k.dot_accumulate = HWY_DYNAMIC_DISPATCH(GdyXhatDotAccumulateF32);
+  k.dx_row = HWY_DYNAMIC_DISPATCH(DxRowF32);
+  return k;
+}
+
+ChunkKernels chunk_kernels(bool bf16) {
+  ChunkKernels k;
   k.forward_rows = bf16 ? HWY_DYNAMIC_DISPATCH(ForwardRowsBF16) : HWY_DYNAMIC_DISPATCH(ForwardRowsF32);
   k.backward_rows = bf16 ? HWY_DYNAMIC_DISPATCH(BackwardRowsBF16) : HWY_DYNAMIC_DISPATCH(BackwardRowsF32);
   return k;
