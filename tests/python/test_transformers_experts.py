@@ -42,12 +42,17 @@ def routing(tokens, experts, top_k, gen, dtype):
     return (weights / weights.sum(-1, keepdim=True)).to(dtype), index
 
 
+def ramp_like(y):
+    """The output gradient of every run: a ramp from -1 to 1 over y's elements."""
+    return torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(y.dtype)
+
+
 def run(model, module, impl, hidden, index, weights):
     model.config._experts_implementation_internal = impl
     h = hidden.clone().requires_grad_()
     w = weights.clone().requires_grad_()
     y = module(h, index, w)
-    dy = torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(y.dtype)
+    dy = ramp_like(y)
     params = [module.gate_up_proj, module.down_proj]
     if y.numel() == 0:
         return [y.detach(), h, w, *[torch.zeros_like(p) for p in params]]
@@ -57,11 +62,11 @@ def run(model, module, impl, hidden, index, weights):
 def weight_grad_terms(module, hidden, index, output):
     """The largest sum over h of |dy[t, h] * out_e[t, h]|, over the routed
     (token t, expert e) pairs: the magnitude of the terms of the routing
-    weights' gradient dy . out_e, each expert's row taken in float64 as the
+    weights' gradient dy . out_e, each expert's row taken as the (float64)
     module computes it alone (expert e, weight 1)."""
     if output.numel() == 0:
         return 0.0
-    dy = torch.linspace(-1, 1, output.numel()).reshape(output.shape).double()
+    dy = ramp_like(output)
     largest = 0.0
     with torch.no_grad():
         for t in range(index.shape[0]):
@@ -83,13 +88,11 @@ def test_forward_and_backward_match_grouped_mm_and_eager(dtype, tokens, top_k, t
     grouped = run(model, module, "grouped_mm", hidden, index, weights)
     eager = run(model, module, "eager", hidden, index, weights)
     oracle = run(model.double(), module, "eager", hidden.double(), index, weights.double())
+    terms = weight_grad_terms(module, hidden.double(), index, oracle[0])
     model.to(dtype)
     eps = torch.finfo(dtype).eps
     extra = 4 if dtype == torch.float32 else 1
     names = ["output", "d hidden", "d weights", "d gate_up_proj", "d down_proj"]
-    model.double()
-    terms = weight_grad_terms(module, hidden.double(), index, oracle[0])
-    model.to(dtype)
     for name, a, b, e, o in zip(names, ours, grouped, eager, oracle):
         scale = terms if name == "d weights" else o.abs().max().item()
         mine = (a.double() - o).abs().max().item()
