@@ -127,7 +127,7 @@ std::vector<int64_t> slot_experts(const char* where, const IndexView& indices, i
 }
 
 std::vector<float> slot_probs(const char* where, const IndexView& indices, int64_t n, int64_t T, const Tensor* probs,
-                              const Tensor* routing_map, bool drop_and_pad) {
+                              const Tensor* routing_map, bool drop_and_pad, const std::vector<int64_t>* experts) {
   if (probs == nullptr) return {};
   check_slot_probs_args(where, n, T, probs, routing_map, drop_and_pad);
   std::vector<float> out(static_cast<size_t>(n), 0.0f);
@@ -136,10 +136,11 @@ std::vector<float> slot_probs(const char* where, const IndexView& indices, int64
     return out;
   }
   const int64_t E = routing_map->shape[1];
-  const std::vector<int64_t> experts = slot_experts(where, indices, n, *routing_map, drop_and_pad);
+  const std::vector<int64_t> own = experts ? std::vector<int64_t>() : slot_experts(where, indices, n, *routing_map, drop_and_pad);
+  const int64_t* expert = experts ? experts->data() : own.data();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = indices.get(i);
-    if (t >= 0) out[static_cast<size_t>(i)] = load_f32(probs->data, probs->dtype, t * E + experts[static_cast<size_t>(i)]);
+    if (t >= 0) out[static_cast<size_t>(i)] = load_f32(probs->data, probs->dtype, t * E + expert[i]);
   }
   return out;
 }

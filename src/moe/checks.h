@@ -43,8 +43,10 @@ void check_slot_probs_args(const char* where, int64_t n, int64_t T, const Tensor
 std::vector<int64_t> slot_experts(const char* where, const IndexView& indices, int64_t n, const Tensor& routing_map,
                                   bool drop_and_pad);
 // Per-slot probs as float (empty when probs is null): probs [N] (routing_map null) or
-// probs [T, E] read at (sorted_indices[i], expert of slot i).
+// probs [T, E] read at (sorted_indices[i], expert of slot i). `experts`: slot_experts of
+// the same arguments where the caller has it (else computed here).
 std::vector<float> slot_probs(const char* where, const IndexView& indices, int64_t n, int64_t T, const Tensor* probs,
-                              const Tensor* routing_map, bool drop_and_pad);
+                              const Tensor* routing_map, bool drop_and_pad,
+                              const std::vector<int64_t>* experts = nullptr);
 
 }  // namespace leanstep::moe::detail

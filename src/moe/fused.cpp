@@ -209,16 +209,22 @@ void unpermute_fused(const UnpermuteProblem& p) {
                         static_cast<size_t>(std::min(kBlock, H)) * elem);
       for (int64_t h0 = 0; h0 < H; h0 += kBlock) {
         const int64_t width = std::min(kBlock, H - h0);
-        std::fill(acc, acc + width, 0.0f);  // +0, as the reference's accumulators
+        // +0, as the reference's accumulators: the first slot adds to it in registers.
+        if (first == last) std::fill(acc, acc + width, 0.0f);
         for (int64_t s = first; s < last; ++s) {
           const int64_t i = token_slots[static_cast<size_t>(s)];
           const char* src = p.permuted + static_cast<size_t>(i * H + h0) * elem;
           prefetch_ahead(src, static_cast<size_t>(width) * elem, p.permuted + static_cast<size_t>((i + 1) * H) * elem);
           const float prob = p.slot_probs ? p.slot_probs[i] : 1.0f;
-          accumulate_scaled(acc, src, p.dtype, prob, width);
+          accumulate_scaled(acc, src, p.dtype, prob, width, s == first);
         }
-        convert_from_f32(acc, cast, p.dtype, width);
-        copy_row(out_row + static_cast<size_t>(h0) * elem, cast, static_cast<size_t>(width) * elem, stream);
+        char* out_block = out_row + static_cast<size_t>(h0) * elem;
+        if (stream) {
+          convert_from_f32(acc, cast, p.dtype, width);
+          copy_row(out_block, cast, static_cast<size_t>(width) * elem, true);
+        } else {
+          convert_from_f32(acc, out_block, p.dtype, width);  // straight into the cache-resident output
+        }
       }
     }
     if (stream) stream_fence();

@@ -11,24 +11,28 @@ namespace leanstep::moe::detail::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 using leanstep::simd::HWY_NAMESPACE::LoadBF16;
 
-void AccumulateScaled(float* HWY_RESTRICT acc, const void* src, int dtype, float prob, int64_t n) {
+// acc = (first ? +0 : acc) + src * prob. The first slot adds to +0 in registers, as
+// the reference's zeroed accumulators do (the same bits, -0 products included), with
+// no zeroing pass and no load of acc.
+template <bool kFirst>
+void AccumulateScaledT(float* HWY_RESTRICT acc, const void* src, int dtype, float prob, int64_t n) {
   const hn::ScalableTag<float> df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const auto p = hn::Set(df, prob);
+  const auto start = [&](int64_t i) { return kFirst ? hn::Zero(df) : hn::LoadU(df, acc + i); };
+  const auto start1 = [&](int64_t i) { return kFirst ? 0.0f : acc[i]; };
   int64_t i = 0;
   switch (static_cast<DType>(dtype)) {
     case DType::kFloat32: {
       const auto* s = static_cast<const float*>(src);
-      for (; i + N <= n; i += N)
-        hn::StoreU(hn::Add(hn::LoadU(df, acc + i), hn::Mul(hn::LoadU(df, s + i), p)), df, acc + i);
-      for (; i < n; ++i) acc[i] += s[i] * prob;
+      for (; i + N <= n; i += N) hn::StoreU(hn::Add(start(i), hn::Mul(hn::LoadU(df, s + i), p)), df, acc + i);
+      for (; i < n; ++i) acc[i] = start1(i) + s[i] * prob;
       return;
     }
     case DType::kBFloat16: {
       const auto* s = static_cast<const uint16_t*>(src);
-      for (; i + N <= n; i += N)
-        hn::StoreU(hn::Add(hn::LoadU(df, acc + i), hn::Mul(LoadBF16(df, s + i), p)), df, acc + i);
-      for (; i < n; ++i) acc[i] += bf16_to_float(s[i]) * prob;
+      for (; i + N <= n; i += N) hn::StoreU(hn::Add(start(i), hn::Mul(LoadBF16(df, s + i), p)), df, acc + i);
+      for (; i < n; ++i) acc[i] = start1(i) + bf16_to_float(s[i]) * prob;
       return;
     }
     default: {  // fp16 (widened exactly either way)
@@ -37,12 +41,17 @@ void AccumulateScaled(float* HWY_RESTRICT acc, const void* src, int dtype, float
       const hn::Rebind<hwy::float16_t, decltype(df)> dh;
       const auto* sh = reinterpret_cast<const hwy::float16_t*>(s);
       for (; i + N <= n; i += N)
-        hn::StoreU(hn::Add(hn::LoadU(df, acc + i), hn::Mul(hn::PromoteTo(df, hn::LoadU(dh, sh + i)), p)), df, acc + i);
+        hn::StoreU(hn::Add(start(i), hn::Mul(hn::PromoteTo(df, hn::LoadU(dh, sh + i)), p)), df, acc + i);
 #endif
-      for (; i < n; ++i) acc[i] += half_to_float(s[i]) * prob;
+      for (; i < n; ++i) acc[i] = start1(i) + half_to_float(s[i]) * prob;
       return;
     }
   }
+}
+
+void AccumulateScaled(float* HWY_RESTRICT acc, const void* src, int dtype, float prob, int64_t n, bool first) {
+  if (first) AccumulateScaledT<true>(acc, src, dtype, prob, n);
+  else AccumulateScaledT<false>(acc, src, dtype, prob, n);
 }
 
 // The sum of a[h] * b[h] in double, in a fixed order whatever the SIMD width: 16
@@ -64,6 +73,37 @@ double DotF64T(const void* a, const void* b, int64_t n) {
   hn::Vec<decltype(dd)> acc[K];
   for (size_t k = 0; k < K; ++k) acc[k] = hn::Zero(dd);
   int64_t h = 0;
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (kT == DType::kBFloat16 && K % 2 == 0) {
+    // A product of two bf16 values (8-bit significands) is exact in fp32 unless it
+    // overflows or leaves fp32's normal range: multiply full fp32 vectors, then widen
+    // the products, half a vector to each partial sum. Where every product is exact,
+    // each add rounds as the fused multiply-add of the widened inputs does, so the
+    // bits are those of the plain order, with half the loads and conversions. The
+    // products' exponent fields say whether every one was exact: a zero (a zero,
+    // subnormal or underflowed product) or all ones (an infinity or a NaN) sends the
+    // row to the plain order.
+    const hn::Twice<decltype(df)> dfw;
+    const hn::RebindToUnsigned<decltype(dfw)> du;
+    const auto exponent = hn::Set(du, 0x7F800000u);
+    auto lowest = exponent, highest = hn::Zero(du);
+    for (; h + static_cast<int64_t>(kDotPartials) <= n; h += kDotPartials)
+      for (size_t k = 0; k < K; k += 2) {
+        const int64_t at = h + static_cast<int64_t>(k * L);
+        const auto product = hn::Mul(LoadAsF32<kT>(dfw, a, at), LoadAsF32<kT>(dfw, b, at));
+        const auto field = hn::And(hn::BitCast(du, product), exponent);
+        lowest = hn::Min(lowest, field);
+        highest = hn::Max(highest, field);
+        acc[k] = hn::Add(acc[k], hn::PromoteTo(dd, hn::LowerHalf(df, product)));
+        acc[k + 1] = hn::Add(acc[k + 1], hn::PromoteTo(dd, hn::UpperHalf(df, product)));
+      }
+    if (h > 0 && (hn::GetLane(hn::MinOfLanes(du, lowest)) == 0 ||
+                  hn::GetLane(hn::MaxOfLanes(du, highest)) == 0x7F800000u)) {
+      for (size_t k = 0; k < K; ++k) acc[k] = hn::Zero(dd);
+      h = 0;
+    }
+  }
+#endif
   for (; h + static_cast<int64_t>(kDotPartials) <= n; h += kDotPartials)
     for (size_t k = 0; k < K; ++k) {
       const int64_t at = h + static_cast<int64_t>(k * L);
@@ -72,6 +112,7 @@ double DotF64T(const void* a, const void* b, int64_t n) {
     }
   HWY_ALIGN double partial[kDotPartials];
   for (size_t k = 0; k < K; ++k) hn::Store(acc[k], dd, partial + k * L);
+  if (h == n) return dot_f64_tree(partial);  // no tail (H a multiple of 16): no call
   return dot_f64_finish(partial, a, b, kT, h, n);
 #endif
 }
@@ -127,9 +168,9 @@ double scale_row_dot(const void* dy, const void* x, DType dtype, float prob, voi
   return HWY_DYNAMIC_DISPATCH(ScaleRowDot)(dy, x, static_cast<int>(dtype), prob, out, n, dot);
 }
 
-void accumulate_scaled(float* acc, const void* src, DType dtype, float prob, int64_t n) {
+void accumulate_scaled(float* acc, const void* src, DType dtype, float prob, int64_t n, bool first) {
   if (n <= 0) return;
-  HWY_DYNAMIC_DISPATCH(AccumulateScaled)(acc, src, static_cast<int>(dtype), prob, n);
+  HWY_DYNAMIC_DISPATCH(AccumulateScaled)(acc, src, static_cast<int>(dtype), prob, n, first);
 }
 }  // namespace leanstep::moe::detail
 #endif

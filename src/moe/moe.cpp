@@ -273,6 +273,17 @@ IndexView check_unpermute_backward_layout(const Tensor& dout, const Tensor& perm
 
 }  // namespace
 
+namespace {
+
+// Doubles stored as `out`'s dtype (fp32, fp16 or bf16), each rounded as store_from_double
+// rounds it (to float, then once to the dtype), in one bulk conversion.
+void store_doubles(const std::vector<double>& values, const Tensor& out) {
+  const std::vector<float> as_float(values.begin(), values.end());
+  convert_from_f32(as_float.data(), out.data, out.dtype, static_cast<int64_t>(as_float.size()));
+}
+
+}  // namespace
+
 void check_unpermute_backward_args(const Tensor& dout, const Tensor& permuted, const Tensor& sorted_indices,
                                    const Tensor* probs, const Tensor* routing_map, bool drop_and_pad,
                                    const Tensor& dpermuted, const Tensor* dprobs) {
@@ -288,8 +299,13 @@ void unpermute_backward(const Tensor& dout, const Tensor& permuted, const Tensor
                                                             drop_and_pad, dpermuted, dprobs, true);
   const int64_t N = permuted.shape[0], H = permuted.shape[1], T = dout.shape[0];
   detail::check_index_values(indices, N, T, where);
+  // The expert of each slot, found once for the probs and for dprobs (its checks on
+  // sorted_indices come before any work).
+  const std::vector<int64_t> experts = probs && routing_map
+                                           ? detail::slot_experts(where, indices, N, *routing_map, drop_and_pad)
+                                           : std::vector<int64_t>();
   const std::vector<float> slot_probs =
-      detail::slot_probs(where, indices, N, T, probs, routing_map, drop_and_pad);
+      detail::slot_probs(where, indices, N, T, probs, routing_map, drop_and_pad, &experts);
 
   std::vector<double> dslot(dprobs ? static_cast<size_t>(N) : 0);
   detail::UnpermuteBackwardProblem p;
@@ -307,17 +323,16 @@ void unpermute_backward(const Tensor& dout, const Tensor& permuted, const Tensor
   else detail::unpermute_backward_fused(p);
   if (!dprobs) return;
   if (!routing_map) {
-    for (int64_t i = 0; i < N; ++i) store_from_double(dprobs->data, dprobs->dtype, i, dslot[static_cast<size_t>(i)]);
+    store_doubles(dslot, *dprobs);
     return;
   }
   const int64_t E = routing_map->shape[1];
-  const std::vector<int64_t> experts = detail::slot_experts(where, indices, N, *routing_map, drop_and_pad);
   std::vector<double> grad(static_cast<size_t>(T * E), 0.0);
   for (int64_t i = 0; i < N; ++i) {
     const int64_t t = indices.get(i);
     if (t >= 0) grad[static_cast<size_t>(t * E + experts[static_cast<size_t>(i)])] += dslot[static_cast<size_t>(i)];
   }
-  for (int64_t j = 0; j < T * E; ++j) store_from_double(dprobs->data, dprobs->dtype, j, grad[static_cast<size_t>(j)]);
+  store_doubles(grad, *dprobs);
 }
 
 }  // namespace leanstep::moe

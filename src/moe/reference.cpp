@@ -112,9 +112,7 @@ double element(const void* p, DType dtype, int64_t h) {
 
 double dot_f64_finish(double* partial, const void* a, const void* b, DType dtype, int64_t h, int64_t n) {
   for (size_t j = 0; h < n; ++h, ++j) partial[j] += element(a, dtype, h) * element(b, dtype, h);
-  for (size_t w = 1; w < kDotPartials; w *= 2)
-    for (size_t i = 0; i + w < kDotPartials; i += 2 * w) partial[i] += partial[i + w];
-  return partial[0];
+  return dot_f64_tree(partial);
 }
 
 double dot_f64_reference(const void* a, const void* b, DType dtype, int64_t n) {

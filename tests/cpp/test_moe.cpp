@@ -285,6 +285,43 @@ TEST(MoeUnpermute, MatchesFloat64OracleAndPathsAreBitIdentical) {
       }
 }
 
+// A token's sum starts from +0, as the reference's zeroed accumulators (and torch's
+// scatter_add into zeros): slots of -0 (and -0 products, a negative prob times +0) sum
+// to +0, on every target, the fused path as the sort path.
+TEST(MoeUnpermute, SignedZerosSumFromPositiveZero) {
+  std::mt19937_64 rng(test_seed());
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  for (DType dtype : float_dtypes())
+    for (int64_t k : {1, 2})
+      for (int64_t H : {5, 80}) {
+        const int64_t T = 6, E = 3;
+        Buffer map = random_map(T, E, k, rng);
+        const int64_t N = moe::count_routed(map);
+        const Slots slots = oracle_slots(map, N, false);
+        Buffer indices = index_buffer(slots.token);
+        Buffer permuted(dtype, {N, H}), probs(DType::kFloat32, {N});
+        std::uniform_int_distribution<int> sign(0, 1);
+        for (int64_t j = 0; j < permuted.numel(); ++j) store_from_double(permuted.data(), dtype, j, sign(rng) ? -0.0 : 0.0);
+        for (int64_t i = 0; i < N; ++i) probs.data_as<float>()[i] = sign(rng) ? -0.5f : 0.5f;
+        for (int64_t target : targets) {
+          SCOPED_TRACE(::testing::Message() << hwy::TargetName(target) << " " << dtype_name(dtype) << " k=" << k
+                                            << " H=" << H);
+          hwy::SetSupportedTargetsForTest(target);
+          for (const Tensor* p : std::initializer_list<const Tensor*>{nullptr, &probs.view()}) {
+            Buffer out_sort(dtype, {T, H}), out_fused(dtype, {T, H});
+            moe::unpermute(permuted, indices, out_sort, p, nullptr, false, Method::kSort);
+            moe::unpermute(permuted, indices, out_fused, p, nullptr, false, Method::kFused);
+            EXPECT_TRUE(bitwise_equal(out_sort, out_fused));
+            for (int64_t j = 0; j < T * H; ++j) {
+              const double v = load_as_double(out_fused.data(), dtype, j);
+              ASSERT_TRUE(v == 0.0 && !std::signbit(v)) << "element " << j;
+            }
+          }
+        }
+        hwy::SetSupportedTargetsForTest(0);
+      }
+}
+
 TEST(MoeUnpermute, ResultDoesNotDependOnThreadCount) {
   std::mt19937_64 rng(test_seed());
   const int64_t T = 300, E = 16, k = 5, H = 70;
@@ -448,6 +485,24 @@ TEST(MoeBackward, UnpermuteRowsMatchFloat64OracleAtOddWidths) {
 // copy of the order), the double result rounded once to the probs' dtype. Each target
 // this build runs (on aarch64 under qemu: NEON and SVE) gives those bits, so the
 // architectures' digests agree by construction, not by the luck of the seeds.
+// unpermute_backward's dprobs in the one order every target keeps: per slot, 16
+// partial sums of dy[t][h] * x[i][h] in double (h mod 16, increasing h), then the
+// pairwise tree, rounded once to the dtype.
+Buffer dprobs_in_one_order(const Buffer& dy, const Buffer& x, const Slots& slots, DType dtype) {
+  const int64_t N = x.view().shape[0], H = x.view().shape[1];
+  Buffer want(dtype, {N});
+  for (int64_t i = 0; i < N; ++i) {
+    double partial[16] = {};
+    const int64_t t = slots.token[static_cast<size_t>(i)];
+    for (int64_t h = 0; h < H; ++h)
+      partial[h % 16] += load_as_double(dy.data(), dtype, t * H + h) * load_as_double(x.data(), dtype, i * H + h);
+    for (int w = 1; w < 16; w *= 2)
+      for (int j = 0; j + w < 16; j += 2 * w) partial[j] += partial[j + w];
+    store_from_double(want.data(), dtype, i, partial[0]);
+  }
+  return want;
+}
+
 TEST(MoeBackward, UnpermuteDprobsHaveOneOrderOnEveryTarget) {
   std::mt19937_64 rng(test_seed());
   const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
@@ -476,16 +531,7 @@ TEST(MoeBackward, UnpermuteDprobsHaveOneOrderOnEveryTarget) {
           store_from_double(x.data(), dtype, h, h == 8 ? 0x1p30 : std::fabs(d));
         }
       }
-      Buffer want(dtype, {N});
-      for (int64_t i = 0; i < N; ++i) {
-        double partial[16] = {};
-        const int64_t t = slots.token[static_cast<size_t>(i)];
-        for (int64_t h = 0; h < H; ++h)
-          partial[h % 16] += load_as_double(dy.data(), dtype, t * H + h) * load_as_double(x.data(), dtype, i * H + h);
-        for (int w = 1; w < 16; w *= 2)
-          for (int j = 0; j + w < 16; j += 2 * w) partial[j] += partial[j + w];
-        store_from_double(want.data(), dtype, i, partial[0]);
-      }
+      const Buffer want = dprobs_in_one_order(dy, x, slots, dtype);
       for (int64_t target : targets) {
         SCOPED_TRACE(::testing::Message() << hwy::TargetName(target) << " " << dtype_name(dtype) << " H=" << H);
         hwy::SetSupportedTargetsForTest(target);
@@ -495,6 +541,74 @@ TEST(MoeBackward, UnpermuteDprobsHaveOneOrderOnEveryTarget) {
       }
       hwy::SetSupportedTargetsForTest(0);
     }
+}
+
+// bf16 rows take their products in fp32, exact there only inside fp32's normal range;
+// a row with a product beyond it (overflow, underflow, a zero, a subnormal input) must
+// still give the bits of the one order in double. Row 0: +2^140 and -2^140 cancel
+// (an fp32 product would be inf - inf); row 1: one product of -2^-160 (fp32 would
+// make it +0 in the sum, double's -2^-160 rounds to -0); row 2: a bf16 subnormal
+// input; row 3: a zero among normal products; the rest: random normal products (the
+// fp32 path).
+TEST(MoeBackward, UnpermuteDprobsKeepTheOrderBeyondFp32Range) {
+  std::mt19937_64 rng(test_seed());
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  const DType dtype = DType::kBFloat16;
+  for (int64_t H : {16, 32, 48, 255}) {
+    const int64_t T = 9, E = 4, k = 2;
+    Buffer map = random_map(T, E, k, rng);
+    const int64_t N = moe::count_routed(map);
+    ASSERT_GE(N, 4);
+    const Slots slots = oracle_slots(map, N, false);
+    Buffer indices = index_buffer(slots.token);
+    Buffer x(dtype, {N, H}), dy(dtype, {T, H}), probs(dtype, {N});
+    fill_normal(x, rng);
+    fill_normal(dy, rng);
+    fill_normal(probs, rng);
+    auto set_row = [&](int64_t i, std::initializer_list<std::pair<double, double>> dy_x) {
+      const int64_t t = slots.token[static_cast<size_t>(i)];
+      for (int64_t h = 0; h < H; ++h) {
+        store_from_double(dy.data(), dtype, t * H + h, 0.0);
+        store_from_double(x.data(), dtype, i * H + h, 0.0);
+      }
+      int64_t h = 0;
+      for (const auto& [a, b] : dy_x) {
+        store_from_double(dy.data(), dtype, t * H + h, a);
+        store_from_double(x.data(), dtype, i * H + h, b);
+        ++h;
+      }
+    };
+    // Rows 0 and 1 are one token's only when k slots share it: pick slots of distinct tokens.
+    std::vector<int64_t> rows;
+    std::vector<bool> used(static_cast<size_t>(T), false);
+    for (int64_t i = 0; i < N && rows.size() < 4; ++i)
+      if (!used[static_cast<size_t>(slots.token[static_cast<size_t>(i)])]) {
+        used[static_cast<size_t>(slots.token[static_cast<size_t>(i)])] = true;
+        rows.push_back(i);
+      }
+    ASSERT_EQ(rows.size(), 4u);
+    set_row(rows[0], {{0x1p70, 0x1p70}, {-0x1p70, 0x1p70}, {1.0, 1.0}});
+    set_row(rows[1], {{-0x1p-80, 0x1p-80}});
+    // The other rows of these tokens see the zeroed dy: refill the rest of row 2's and 3's.
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t t2 = slots.token[static_cast<size_t>(rows[2])], t3 = slots.token[static_cast<size_t>(rows[3])];
+      store_from_double(dy.data(), dtype, t2 * H + h, 1.0 + static_cast<double>(h % 7) / 8);
+      store_from_double(dy.data(), dtype, t3 * H + h, -1.5 + static_cast<double>(h % 5) / 4);
+    }
+    store_from_double(x.data(), dtype, rows[2] * H + H - 1, 0x1p-130);  // a bf16 subnormal
+    store_from_double(x.data(), dtype, rows[3] * H + H / 2, 0.0);
+    const Buffer want = dprobs_in_one_order(dy, x, slots, dtype);
+    ASSERT_EQ(load_as_double(want.data(), dtype, rows[0]), 1.0);
+    ASSERT_TRUE(std::signbit(load_as_double(want.data(), dtype, rows[1])));
+    for (int64_t target : targets) {
+      SCOPED_TRACE(::testing::Message() << hwy::TargetName(target) << " H=" << H);
+      hwy::SetSupportedTargetsForTest(target);
+      Buffer dx(dtype, {N, H}), dp(dtype, {N});
+      moe::unpermute_backward(dy, x, indices, &probs.view(), nullptr, false, Method::kFused, dx, &dp.view());
+      EXPECT_TRUE(bitwise_equal(dp, want));
+    }
+    hwy::SetSupportedTargetsForTest(0);
+  }
 }
 
 // Backward of permute: dtokens = scatter-add of dpermuted (float64 oracle), dprobs = scatter of
