@@ -15,6 +15,7 @@
   lays trainable grads out in one buffer (see ``_torch_clip``).
 """
 
+import functools
 import math
 
 import torch
@@ -313,12 +314,15 @@ def _torch_rms_norm(x, weight, eps, zero_centered_gamma, rounding):
     return torch_rmsnorm.forward(x, weight, eps, zero_centered_gamma, rounding)[0]
 
 
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
 def _activation_offload_active():
     # Saved-tensor hooks (activation offload / checkpointing to host) would not
     # see what a custom Function saves the same way: delegate.
     try:
-        return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
-    except (AttributeError, TypeError):
+        return _top_saved_tensors_hooks(True) is not None
+    except TypeError:  # absent (None) or another signature in this torch
         return False
 
 
@@ -567,8 +571,8 @@ def _automatic_state():
     return _backend.triton_automatic(), _dispatch.op_enabled("rmsnorm.forward")
 
 
-def _is_autocast_cpu():
-    return torch.is_autocast_enabled("cpu")
+# torch's own function with its argument bound: no Python frame per call.
+_is_autocast_cpu = functools.partial(torch.is_autocast_enabled, "cpu")
 
 
 class _LeanPath:
@@ -634,7 +638,10 @@ class _LeanPath:
 
     def run(self, module, x):
         """The output, or None when the full path must decide this call."""
-        if (not self._matches(module, x) or x.is_neg() or _hooks_active(module)
+        # _hooks_active, written out (a Python frame is a tenth of this path's own time).
+        if (not self._matches(module, x) or x.is_neg()
+                or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or any(_global_hooks)
                 or (_is_autocast_cpu() if self.device_type == "cpu"
                     else _autocast_enabled(self.device_type))
                 or _activation_offload_active() or _compiling()):
@@ -663,7 +670,7 @@ class _LeanPath:
         if grad and (x.requires_grad or weight.requires_grad):
             return _LeanRMSNorm.apply(x, weight, self.eps, self.zero_centered_gamma,
                                       self.cast_then_scale)
-        y = _output_like(x)
+        y = torch.empty_like(x) if x.nbytes < _POOLED_BYTES else _fresh_like(x)  # x is contiguous
         _rmsnorm_forward_lean(x, weight, y, None, self.eps, self.zero_centered_gamma,
                               self.cast_then_scale, False)  # no rstd: nothing differentiates
         return y
