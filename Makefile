@@ -156,7 +156,7 @@ endif
 # 816 LoRA tensors per rank): its crossover at EP 1 on each Megatron-Core line, where
 # leanstep's host path, not the kernels, decides. 3 cycles, not 5: its steps are twice the
 # default job's, and the 10 runs x 3 cycles keep the whole step's interval within about
-# +/-2% (5 cycles: +/-1.4%), so that `make demo` fits 12 minutes. About 2 minutes a line.
+# +/-3% (5 cycles: +/-1.4%), so that `make demo` fits 12 minutes. About 2 minutes a line.
 HOST_BOUND := --config host-bound --phases crossover --ep 1 --cycles 3
 demo-host-bound: python python312
 	$(PY) -m leanstep.megatron.train $(HOST_BOUND) --out $(DEMO_DIR)/megatron-0.16-host-bound

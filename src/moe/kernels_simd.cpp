@@ -54,6 +54,27 @@ void AccumulateScaled(float* HWY_RESTRICT acc, const void* src, int dtype, float
   else AccumulateScaledT<false>(acc, src, dtype, prob, n);
 }
 
+#if HWY_TARGET != HWY_SCALAR
+// Whether every product a[h] * b[h], h < end, whose fp32 exponent field is zero (a
+// zero, subnormal or underflowed product) has a zero factor, so is an exact +-0.
+template <DType kT, class DFW>
+HWY_NOINLINE bool ZeroProductsHaveZeroFactors(DFW dfw, const void* a, const void* b, int64_t end) {
+  using leanstep::simd::HWY_NAMESPACE::LoadAsF32;
+  const hn::RebindToUnsigned<DFW> du;
+  const auto exponent = hn::Set(du, 0x7F800000u);
+  const auto zero = hn::Zero(dfw);
+  const int64_t W = static_cast<int64_t>(hn::Lanes(dfw));
+  for (int64_t h = 0; h < end; h += W) {
+    const auto va = LoadAsF32<kT>(dfw, a, h), vb = LoadAsF32<kT>(dfw, b, h);
+    const auto field = hn::And(hn::BitCast(du, hn::Mul(va, vb)), exponent);
+    const auto no_exponent = hn::RebindMask(dfw, hn::Eq(field, hn::Zero(du)));
+    const auto zero_factor = hn::Or(hn::Eq(va, zero), hn::Eq(vb, zero));
+    if (!hn::AllFalse(dfw, hn::AndNot(zero_factor, no_exponent))) return false;
+  }
+  return true;
+}
+#endif
+
 // The sum of a[h] * b[h] in double, in a fixed order whatever the SIMD width: 16
 // partial sums, partial[j] over h = j (mod 16) in increasing h, then a fixed
 // pairwise tree (dot_f64_reference in moe/kernels.h, the same order in plain C++).
@@ -80,9 +101,10 @@ double DotF64T(const void* a, const void* b, int64_t n) {
     // the products, half a vector to each partial sum. Where every product is exact,
     // each add rounds as the fused multiply-add of the widened inputs does, so the
     // bits are those of the plain order, with half the loads and conversions. The
-    // products' exponent fields say whether every one was exact: a zero (a zero,
-    // subnormal or underflowed product) or all ones (an infinity or a NaN) sends the
-    // row to the plain order.
+    // products' exponent fields say whether every one was exact: all ones (an
+    // infinity or a NaN) sends the row to the plain order; a zero field (a zero,
+    // subnormal or underflowed product) does unless every such product has a zero
+    // factor (then it is an exact +-0: a zero gradient row keeps the fast sums).
     const hn::Twice<decltype(df)> dfw;
     const hn::RebindToUnsigned<decltype(dfw)> du;
     const auto exponent = hn::Set(du, 0x7F800000u);
@@ -97,8 +119,8 @@ double DotF64T(const void* a, const void* b, int64_t n) {
         acc[k] = hn::Add(acc[k], hn::PromoteTo(dd, hn::LowerHalf(df, product)));
         acc[k + 1] = hn::Add(acc[k + 1], hn::PromoteTo(dd, hn::UpperHalf(df, product)));
       }
-    if (h > 0 && (hn::GetLane(hn::MinOfLanes(du, lowest)) == 0 ||
-                  hn::GetLane(hn::MaxOfLanes(du, highest)) == 0x7F800000u)) {
+    if (h > 0 && (hn::GetLane(hn::MaxOfLanes(du, highest)) == 0x7F800000u ||
+                  (hn::GetLane(hn::MinOfLanes(du, lowest)) == 0 && !ZeroProductsHaveZeroFactors<kT>(dfw, a, b, h)))) {
       for (size_t k = 0; k < K; ++k) acc[k] = hn::Zero(dd);
       h = 0;
     }
