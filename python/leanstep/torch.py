@@ -638,10 +638,7 @@ class _LeanPath:
 
     def run(self, module, x):
         """The output, or None when the full path must decide this call."""
-        # _hooks_active, written out (a Python frame is a tenth of this path's own time).
-        if (not self._matches(module, x) or x.is_neg()
-                or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or any(_global_hooks)
+        if (not self._matches(module, x) or x.is_neg() or _hooks_active(module)
                 or (_is_autocast_cpu() if self.device_type == "cpu"
                     else _autocast_enabled(self.device_type))
                 or _activation_offload_active() or _compiling()):
@@ -670,7 +667,7 @@ class _LeanPath:
         if grad and (x.requires_grad or weight.requires_grad):
             return _LeanRMSNorm.apply(x, weight, self.eps, self.zero_centered_gamma,
                                       self.cast_then_scale)
-        y = torch.empty_like(x) if x.nbytes < _POOLED_BYTES else _fresh_like(x)  # x is contiguous
+        y = _output_like(x)
         _rmsnorm_forward_lean(x, weight, y, None, self.eps, self.zero_centered_gamma,
                               self.cast_then_scale, False)  # no rstd: nothing differentiates
         return y

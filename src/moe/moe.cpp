@@ -271,10 +271,6 @@ IndexView check_unpermute_backward_layout(const Tensor& dout, const Tensor& perm
   return indices;
 }
 
-}  // namespace
-
-namespace {
-
 // Doubles stored as `out`'s dtype (fp32, fp16 or bf16), each rounded as store_from_double
 // rounds it (to float, then once to the dtype), in one bulk conversion.
 void store_doubles(const std::vector<double>& values, const Tensor& out) {
