@@ -162,6 +162,52 @@ class KeyBuilder {
   uint64_t previous_dtype_ = 0;
 };
 
+// getattr(obj, name) for a run of objects of one type, where the type finds
+// `name` as a C getset descriptor (torch's Tensor.grad): the descriptor's getter is
+// called straight, without the generic lookup per object. That is what
+// PyObject_GetAttr does for such a type (a data descriptor wins over the
+// instance's __dict__), so the result is the same; the type's version tag,
+// which CPython changes whenever the type or a base is modified, keeps the
+// cached getter honest.
+class AttrGetter {
+ public:
+  explicit AttrGetter(PyObject* name) : name_(name) {}
+
+  // New reference, or nullptr with a Python error set.
+  PyObject* get(PyObject* obj) {
+    PyTypeObject* type = Py_TYPE(obj);
+    if (type != type_ || type->tp_version_tag != version_ ||
+        !PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG))
+      refresh(type);
+    if (getter_ != nullptr) return getter_(obj, closure_);
+    return PyObject_GetAttr(obj, name_);
+  }
+
+ private:
+  void refresh(PyTypeObject* type) {
+    type_ = type;
+    getter_ = nullptr;
+    closure_ = nullptr;
+    version_ = 0;
+    if (type->tp_getattro != PyObject_GenericGetAttr) return;
+    PyObject* descr = _PyType_Lookup(type, name_);  // borrowed; sets the version tag
+    if (descr == nullptr || !Py_IS_TYPE(descr, &PyGetSetDescr_Type) ||
+        !PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG))
+      return;
+    const PyGetSetDef* def = reinterpret_cast<PyGetSetDescrObject*>(descr)->d_getset;
+    if (def->get == nullptr) return;
+    getter_ = def->get;
+    closure_ = def->closure;
+    version_ = type->tp_version_tag;
+  }
+
+  PyObject* name_;
+  PyTypeObject* type_ = nullptr;
+  unsigned int version_ = 0;
+  getter getter_ = nullptr;
+  void* closure_ = nullptr;
+};
+
 // (hash, key) of a list or tuple of tensors, or None when some element cannot
 // be described (no exchange table, a device DLPack has no code for...).
 nb::object tensor_list_key(nb::handle tensors) {
@@ -193,6 +239,7 @@ nb::object grads_and_key(nb::handle params, nb::str name, nb::object flag, nb::h
   PyObject** items = PySequence_Fast_ITEMS(seq);
   nb::list grads;
   KeyBuilder key(static_cast<size_t>(n));
+  AttrGetter get_grad(name.ptr());
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (filtered) {
       PyObject* mark = PyObject_GetAttr(items[i], flag.ptr());
@@ -205,7 +252,7 @@ nb::object grads_and_key(nb::handle params, nb::str name, nb::object flag, nb::h
       if (mark == skipped.ptr()) continue;
       if (mark != counted.ptr()) return nb::bool_(false);
     }
-    PyObject* grad = PyObject_GetAttr(items[i], name.ptr());
+    PyObject* grad = get_grad.get(items[i]);
     if (grad == nullptr) {
       if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw nb::python_error();
       PyErr_Clear();  // getattr(param, name, None)

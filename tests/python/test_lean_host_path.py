@@ -296,6 +296,49 @@ def test_grads_and_key_reads_the_named_attribute_in_order():
         _leanstep.grads_and_key(iter(params), "grad")
 
 
+
+
+def test_grads_and_key_reads_grad_as_getattr_does_for_every_type():
+    # The pass calls torch's `grad` getter straight for a run of one type: a type that
+    # overrides `grad` (a property), a type changed between calls, a param whose getter
+    # raises, and a mixed list must each read as getattr(p, "grad", None) does.
+    class Overridden(torch.nn.Parameter):
+        @property
+        def grad(self):
+            return self._other
+
+    class Plain(torch.nn.Parameter):
+        pass
+
+    buf = torch.arange(40.0)
+    params = [torch.nn.Parameter(torch.zeros(4)), Overridden(torch.zeros(4)),
+              Plain(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4)), Plain(torch.zeros(4))]
+    for i, p in enumerate(params):
+        if type(p) is Overridden:
+            p._other = buf[8 * i:8 * i + 4]
+        else:
+            p.grad = buf[8 * i:8 * i + 4]
+    expected = [getattr(p, "grad", None) for p in params]
+    out, h, key = _leanstep.grads_and_key(params, "grad")
+    assert [id(g) for g in out] == [id(g) for g in expected]
+    assert (h, key) == _leanstep.tensor_list_key(expected)
+
+    Plain.grad = property(lambda self: None)  # the type changed: its getter is looked up again
+    try:
+        out, _, _ = _leanstep.grads_and_key(params, "grad")
+        assert [id(g) for g in out] == [id(expected[i]) for i in (0, 1, 3)]
+    finally:
+        del Plain.grad
+    out, _, _ = _leanstep.grads_and_key(params, "grad")
+    assert [id(g) for g in out] == [id(g) for g in expected]
+
+    class Raising(torch.nn.Parameter):
+        @property
+        def grad(self):
+            raise RuntimeError("no grad here")
+
+    with pytest.raises(RuntimeError, match="no grad here"):
+        _leanstep.grads_and_key(params[:2] + [Raising(torch.zeros(1))], "grad")
 def test_keys_are_exact_under_random_views(torch_gen, rng):
     # Random views of random buffers: two lists have one key exactly when every
     # view has the same address, dtype, shape and strides.
