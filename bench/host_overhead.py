@@ -31,8 +31,12 @@ outside the timer. Cases:
   "leanstep" experts backend against "grouped_mm" and "eager" (Qwen3-MoE
   experts, 512 tokens, H 256, 16 experts, top-4, bf16, fwd+bwd).
 
-Timing: rounds; in each round every variant of a case runs a block of calls
-(order rotated per round), and the block's median is that round's time. The
+Timing: rounds; in each round every variant of a case runs a block of calls,
+in the order of a row of Williams squares (so that each variant follows each
+other equally often: a variant run right after a peer's long call finds
+colder caches than one run after a short call, and a rotated order would give
+one variant that place every round), and the block's median is that round's
+time. The rounds are rounded up to whole squares. The
 ratio peer / leanstep is the geometric mean over rounds of the per-round
 ratios, with a 95% interval from a bootstrap over rounds (the rounds are the
 independent units: calls within a block share the machine's state).
@@ -63,6 +67,7 @@ import leanstep.megatron as lm  # noqa: E402
 import leanstep.megatron.cpu as mcpu  # noqa: E402
 import leanstep.torch as lt  # noqa: E402
 from leanstep import _backend  # noqa: E402
+from leanstep._stats import crossover_plan  # noqa: E402
 from leanstep.megatron import grad as lm_grad  # noqa: E402
 
 
@@ -77,10 +82,13 @@ def sync():
 
 def measure(variants, rounds, calls, setup=None):
     """{name: [per-round median seconds]} of `variants` ({name: fn}): each
-    round runs every variant `calls` times, the order rotated per round.
-    `setup(name)` runs before each call, outside the timer; its result is
-    passed to the variant."""
+    round runs every variant `calls` times, in the order of a row of Williams
+    squares (carryover-balanced: each variant follows each other equally
+    often); `rounds` is rounded up to whole squares. `setup(name)` runs before
+    each call, outside the timer; its result is passed to the variant."""
     names = list(variants)
+    orders = williams_orders(names)
+    rounds = -(-rounds // len(orders)) * len(orders)
     out = {name: [] for name in names}
     for name in names:  # warm-up: caches, allocator, decisions
         for _ in range(3):
@@ -93,7 +101,7 @@ def measure(variants, rounds, calls, setup=None):
     gc.disable()
     try:
         for r in range(rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = orders[r % len(orders)]
             for name in order:
                 times = []
                 for _ in range(calls):
@@ -108,6 +116,17 @@ def measure(variants, rounds, calls, setup=None):
     finally:
         gc.enable()
     return out
+
+
+def williams_orders(names):
+    """The rows of Williams squares over `names` (one square for an even count,
+    two for an odd one), as the main job's crossover plans them."""
+    if len(names) < 2:
+        return [list(names)]
+    squares = 1 if len(names) % 2 == 0 else 2
+    labels = [f"v{i}" for i in range(len(names))]  # a plan's condition names are plain words
+    plan = crossover_plan(labels, squares * len(names), 1, 0, exclude_after_transition=0)
+    return [[names[labels.index(b)] for b in run["blocks"]] for run in plan["runs"]]
 
 
 def ratio_interval(peer, ours, seed=0, resamples=2000):
@@ -421,7 +440,7 @@ def bench_hf(table, args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
-    ap.add_argument("--rounds", type=int, default=15, help="rounds per case (default 15)")
+    ap.add_argument("--rounds", type=int, default=15, help="rounds per case (default 15), rounded up to whole Williams squares")
     ap.add_argument("--only", default=None,
                     help="comma-separated benches (default rmsnorm,moe,grad,hf; on cuda no hf)")
     ap.add_argument("--json", action="store_true", help="JSON lines after the table")

@@ -36,6 +36,13 @@ def test_the_megatron_cases_run_and_give_a_row_per_variant():
         assert {v for b, c, v in variants if c == case} == {
             "megatron (no TE/apex)", "leanstep patch, CPU kernels",
             "leanstep patch, torch-op backend"}
+    # Rounds come in whole Williams squares: two of three rows for three variants
+    # (an odd count), one of two rows for two; --quick asks for 3.
+    per_case = {}
+    for b, c, v in variants:
+        per_case[c] = per_case.get(c, 0) + 1
+    for r in rows:
+        assert r["rounds"] == {2: 4, 3: 6}[per_case[r["case"]]], r
     for r in rows:
         assert math.isfinite(r["median_us"]) and r["median_us"] > 0, r
         if "x_peer" in r:
