@@ -53,9 +53,14 @@ HWY_INLINE void StoreBF16(DF df, hn::Vec<DF> v, uint16_t* HWY_RESTRICT dst) {
 // two-vector shuffle (ConcatOdd; one vpermt2w on AVX-512) instead of a shift, a
 // narrowing and a cross-lane permute per vector. Not on HWY_SCALAR (one lane: no
 // 16-bit halves to gather); callers use StoreBF16 there.
+//
+// `hardware`: HardwareBF16Rounding(), read by the caller once per row or call,
+// not per store (a relaxed atomic load in the loop is a load and a branch per
+// store that the compiler may not hoist: the stores could alias the flag).
 #if HWY_TARGET != HWY_SCALAR
 template <class DF>
-HWY_INLINE void StoreBF16x2(DF df, hn::Vec<DF> lo, hn::Vec<DF> hi, uint16_t* HWY_RESTRICT dst) {
+HWY_INLINE void StoreBF16x2(DF df, hn::Vec<DF> lo, hn::Vec<DF> hi, uint16_t* HWY_RESTRICT dst,
+                            [[maybe_unused]] bool hardware) {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
   // Where the CPU has AVX512_BF16 (detail::g_bf16_hardware_rounding), one
   // VCVTNE2PS2BF16 rounds both vectors: the same rounding and quiet NaN as
@@ -63,7 +68,7 @@ HWY_INLINE void StoreBF16x2(DF df, hn::Vec<DF> lo, hn::Vec<DF> hi, uint16_t* HWY
   // subnormal lane takes the code below. Inline assembly: the target's flags
   // (Highway's AVX3) do not include avx512bf16.
   if constexpr (hn::MaxLanes(DF()) == 16) {
-    if (leanstep::detail::g_bf16_hardware_rounding.load(std::memory_order_relaxed)) {
+    if (hardware) {
       constexpr int kSubnormal = 0x20;  // VFPCLASSPS category: denormal
       const auto subnormal = _mm512_kor(_mm512_fpclass_ps_mask(lo.raw, kSubnormal),
                                         _mm512_fpclass_ps_mask(hi.raw, kSubnormal));
@@ -83,6 +88,11 @@ HWY_INLINE void StoreBF16x2(DF df, hn::Vec<DF> lo, hn::Vec<DF> hi, uint16_t* HWY
   hn::StoreU(odd, d16, dst);
 }
 #endif
+
+// Whether StoreBF16x2 may round with the CPU's VCVTNE2PS2BF16 (detail::g_bf16_hardware_rounding).
+HWY_INLINE bool HardwareBF16Rounding() {
+  return leanstep::detail::g_bf16_hardware_rounding.load(std::memory_order_relaxed);
+}
 
 // Loads Lanes(df) bf16 values from src, widened to f32 (exact).
 template <class DF>

@@ -58,8 +58,10 @@ void FromF32(const float* HWY_RESTRICT src, void* dst, int dtype, int64_t n) {
     case DType::kBFloat16: {
       auto* d = static_cast<uint16_t*>(dst);
 #if HWY_TARGET != HWY_SCALAR
+      const bool hardware = leanstep::simd::HWY_NAMESPACE::HardwareBF16Rounding();
       for (; i + 2 * static_cast<int64_t>(N) <= n; i += 2 * N)
-        leanstep::simd::HWY_NAMESPACE::StoreBF16x2(df, hn::LoadU(df, src + i), hn::LoadU(df, src + i + N), d + i);
+        leanstep::simd::HWY_NAMESPACE::StoreBF16x2(df, hn::LoadU(df, src + i), hn::LoadU(df, src + i + N), d + i,
+                                                   hardware);
 #endif
       for (; i + static_cast<int64_t>(N) <= n; i += N) StoreBF16(df, hn::LoadU(df, src + i), d + i);
       for (; i < n; ++i) d[i] = float_to_bf16(src[i]);

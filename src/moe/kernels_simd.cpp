@@ -153,10 +153,11 @@ double ScaleRowDotT(const void* dy, const void* x, float prob, void* out, int64_
   int64_t i = 0;
 #if HWY_TARGET != HWY_SCALAR
   if constexpr (kT == DType::kBFloat16) {  // two vectors per store: the same bits
+    const bool hardware = leanstep::simd::HWY_NAMESPACE::HardwareBF16Rounding();
     for (; i + 2 * N <= n; i += 2 * N)
       leanstep::simd::HWY_NAMESPACE::StoreBF16x2(df, hn::Mul(LoadAsF32<kT>(df, dy, i), vp),
                                                  hn::Mul(LoadAsF32<kT>(df, dy, i + N), vp),
-                                                 static_cast<uint16_t*>(out) + i);
+                                                 static_cast<uint16_t*>(out) + i, hardware);
   }
 #endif
   for (; i + N <= n; i += N) StoreFromF32<kT>(df, hn::Mul(LoadAsF32<kT>(df, dy, i), vp), out, i);

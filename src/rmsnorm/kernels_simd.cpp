@@ -59,8 +59,11 @@ HWY_INLINE void TailFromF32(const float* padded, void* base, int64_t i, int64_t 
 }
 
 // sum of x[i]^2, in 4 independent accumulators
+// The row kernels are inlined into the chunk loops (ForwardRowsT, BackwardRowsT):
+// a row of 256 is 8 to 16 vector steps, and a call per row with its frame and
+// constants cost about as much as a fifth of the row (perf, bf16 forward).
 template <DType kT>
-float SumSquaresT(const void* x, int64_t n) {
+HWY_INLINE float SumSquaresT(const void* x, int64_t n) {
   const hn::ScalableTag<float> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
@@ -89,7 +92,8 @@ float SumSquaresT(const void* x, int64_t n) {
 
 // y = cast((x * r) * g)   (scale then cast: one rounding to y's dtype)
 template <DType kT>
-void ScaleRowT(const void* x, float r, const float* HWY_RESTRICT g, void* y, int64_t n) {
+HWY_INLINE void ScaleRowT(const void* x, float r, const float* HWY_RESTRICT g, void* y, int64_t n,
+                          [[maybe_unused]] bool hardware_bf16) {
   const hn::ScalableTag<float> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const auto vr = hn::Set(d, r);
@@ -99,7 +103,7 @@ void ScaleRowT(const void* x, float r, const float* HWY_RESTRICT g, void* y, int
     for (; i + 2 * N <= n; i += 2 * N) {
       const auto lo = hn::Mul(hn::Mul(LoadF32<kT>(d, x, i), vr), hn::LoadU(d, g + i));
       const auto hi = hn::Mul(hn::Mul(LoadF32<kT>(d, x, i + N), vr), hn::LoadU(d, g + i + N));
-      leanstep::simd::HWY_NAMESPACE::StoreBF16x2(d, lo, hi, static_cast<uint16_t*>(y) + i);
+      leanstep::simd::HWY_NAMESPACE::StoreBF16x2(d, lo, hi, static_cast<uint16_t*>(y) + i, hardware_bf16);
     }
   }
 #endif
@@ -117,7 +121,7 @@ void ScaleRowT(const void* x, float r, const float* HWY_RESTRICT g, void* y, int
 // trainable backward's dgamma partial, accumulated in the pass that streams dy
 // and x from memory: the dx pass then is the frozen one, from cache).
 template <DType kT, bool kAccumulate>
-float GdyXhatDotT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r, float* HWY_RESTRICT partial,
+HWY_INLINE float GdyXhatDotT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r, float* HWY_RESTRICT partial,
                   int64_t n) {
   const hn::ScalableTag<float> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
@@ -158,7 +162,8 @@ float GdyXhatDotT(const float* HWY_RESTRICT g, const void* dy, const void* x, fl
 // both run it (the trainable one's dgamma partial is taken in the dot pass),
 // so their dx is bitwise equal.
 template <DType kT>
-void DxRowT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r, float m, void* dx, int64_t n) {
+HWY_INLINE void DxRowT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r, float m, void* dx,
+                       int64_t n, [[maybe_unused]] bool hardware_bf16) {
   const hn::ScalableTag<float> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const auto vr = hn::Set(d, r);
@@ -173,7 +178,7 @@ void DxRowT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r,
     for (; i + 2 * N <= n; i += 2 * N) {
       const auto lo = step(hn::LoadU(d, g + i), LoadF32<kT>(d, dy, i), LoadF32<kT>(d, x, i));
       const auto hi = step(hn::LoadU(d, g + i + N), LoadF32<kT>(d, dy, i + N), LoadF32<kT>(d, x, i + N));
-      leanstep::simd::HWY_NAMESPACE::StoreBF16x2(d, lo, hi, static_cast<uint16_t*>(dx) + i);
+      leanstep::simd::HWY_NAMESPACE::StoreBF16x2(d, lo, hi, static_cast<uint16_t*>(dx) + i, hardware_bf16);
     }
   }
 #endif
@@ -204,6 +209,7 @@ void ForwardRowsT(const void* x, const float* HWY_RESTRICT g, void* y, float* HW
   const int64_t block_rows =
       std::clamp<int64_t>(static_cast<int64_t>(kBlockBytes / std::max<size_t>(row_bytes, 1)), 1, kBlockRows);
   float r[kBlockRows];
+  const bool hardware_bf16 = leanstep::simd::HWY_NAMESPACE::HardwareBF16Rounding();
   for (int64_t begin = 0; begin < rows; begin += block_rows) {
     const int64_t count = std::min(block_rows, rows - begin);
     const char* xb = static_cast<const char*>(x) + static_cast<size_t>(begin) * row_bytes;
@@ -212,7 +218,8 @@ void ForwardRowsT(const void* x, const float* HWY_RESTRICT g, void* y, float* HW
     char* yb = static_cast<char*>(y) + static_cast<size_t>(begin) * row_bytes;
     for (int64_t k = 0; k < count; ++k) {
       if (rstd) rstd[begin + k] = r[k];
-      ScaleRowT<kT>(xb + static_cast<size_t>(k) * row_bytes, r[k], g, yb + static_cast<size_t>(k) * row_bytes, n);
+      ScaleRowT<kT>(xb + static_cast<size_t>(k) * row_bytes, r[k], g, yb + static_cast<size_t>(k) * row_bytes, n,
+                    hardware_bf16);
     }
   }
 }
@@ -222,6 +229,7 @@ template <DType kT>
 void BackwardRowsT(const float* HWY_RESTRICT g, const void* dy, const void* x, const float* HWY_RESTRICT rstd,
                    float* HWY_RESTRICT partial, void* dx, int64_t rows, int64_t n) {
   const size_t row_bytes = static_cast<size_t>(n) * dtype_size(kT);
+  const bool hardware_bf16 = leanstep::simd::HWY_NAMESPACE::HardwareBF16Rounding();
   for (int64_t row = 0; row < rows; ++row) {
     const size_t at = static_cast<size_t>(row) * row_bytes;
     const void* dyr = static_cast<const char*>(dy) + at;
@@ -229,14 +237,16 @@ void BackwardRowsT(const float* HWY_RESTRICT g, const void* dy, const void* x, c
     const float r = rstd[row];
     const float dot = partial ? GdyXhatDotT<kT, true>(g, dyr, xr, r, partial, n)
                               : GdyXhatDotT<kT, false>(g, dyr, xr, r, nullptr, n);
-    DxRowT<kT>(g, dyr, xr, r, detail::row_mean(dot, n), static_cast<char*>(dx) + at, n);
+    DxRowT<kT>(g, dyr, xr, r, detail::row_mean(dot, n), static_cast<char*>(dx) + at, n, hardware_bf16);
   }
 }
 
 // Exported instantiations: fp32 rows one at a time (the scratch path's widened
 // rows), and whole chunks of fp32 or bf16 rows read and written directly.
 float SumSquaresF32(const void* x, int64_t n) { return SumSquaresT<DType::kFloat32>(x, n); }
-void ScaleRowF32(const void* x, float r, const float* g, void* y, int64_t n) { ScaleRowT<DType::kFloat32>(x, r, g, y, n); }
+void ScaleRowF32(const void* x, float r, const float* g, void* y, int64_t n) {
+  ScaleRowT<DType::kFloat32>(x, r, g, y, n, false);  // fp32 rows: no bf16 stores
+}
 float GdyXhatDotF32(const float* g, const void* dy, const void* x, float r, int64_t n) {
   return GdyXhatDotT<DType::kFloat32, false>(g, dy, x, r, nullptr, n);
 }
@@ -244,7 +254,7 @@ float GdyXhatDotAccumulateF32(const float* g, const void* dy, const void* x, flo
   return GdyXhatDotT<DType::kFloat32, true>(g, dy, x, r, p, n);
 }
 void DxRowF32(const float* g, const void* dy, const void* x, float r, float m, void* dx, int64_t n) {
-  DxRowT<DType::kFloat32>(g, dy, x, r, m, dx, n);
+  DxRowT<DType::kFloat32>(g, dy, x, r, m, dx, n, false);  // fp32 rows: no bf16 stores
 }
 
 void ForwardRowsF32(const void* x, const float* g, void* y, float* rstd, float eps, int64_t rows, int64_t n) {
