@@ -176,7 +176,7 @@ class AttrGetter {
   // New reference, or nullptr with a Python error set.
   PyObject* get(PyObject* obj) {
     PyTypeObject* type = Py_TYPE(obj);
-    if (type != type_ || type->tp_version_tag != version_ ||
+    if (type != type_ || version_ == 0 || type->tp_version_tag != version_ ||
         !PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG))
       refresh(type);
     if (getter_ != nullptr) return getter_(obj, closure_);
@@ -184,21 +184,21 @@ class AttrGetter {
   }
 
  private:
+  // The getter, or none (getattr then), for `type`; remembered with the type's
+  // version tag either way, so a run of one type looks it up once.
   void refresh(PyTypeObject* type) {
     type_ = type;
     getter_ = nullptr;
     closure_ = nullptr;
-    version_ = 0;
-    if (type->tp_getattro != PyObject_GenericGetAttr) return;
-    PyObject* descr = _PyType_Lookup(type, name_);  // borrowed; sets the version tag
-    if (descr == nullptr || !Py_IS_TYPE(descr, &PyGetSetDescr_Type) ||
-        !PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG))
-      return;
+    PyObject* descr = _PyType_Lookup(type, name_);  // borrowed; assigns a version tag
+    version_ = PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG) ? type->tp_version_tag : 0;
+    if (version_ == 0 || type->tp_getattro != PyObject_GenericGetAttr || descr == nullptr ||
+        !Py_IS_TYPE(descr, &PyGetSetDescr_Type) || !PyType_IsSubtype(type, PyDescr_TYPE(descr)))
+      return;  // getattr's own path (it raises where the descriptor is not for this type)
     const PyGetSetDef* def = reinterpret_cast<PyGetSetDescrObject*>(descr)->d_getset;
     if (def->get == nullptr) return;
     getter_ = def->get;
     closure_ = def->closure;
-    version_ = type->tp_version_tag;
   }
 
   PyObject* name_;
@@ -235,14 +235,15 @@ nb::object grads_and_key(nb::handle params, nb::str name, nb::object flag, nb::h
   if (!PyList_Check(seq) && !PyTuple_Check(seq))
     throw nb::type_error("grads_and_key: argument 'params' must be a list or tuple");
   const bool filtered = !flag.is_none();
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
   nb::list grads;
-  KeyBuilder key(static_cast<size_t>(n));
+  KeyBuilder key(static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)));
   AttrGetter get_grad(name.ptr());
-  for (Py_ssize_t i = 0; i < n; ++i) {
+  // A param's attributes may run Python (a property) that changes a list: its size
+  // and items are read afresh each step, and the param is held while it is read.
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    const nb::object param = nb::borrow(PySequence_Fast_GET_ITEM(seq, i));
     if (filtered) {
-      PyObject* mark = PyObject_GetAttr(items[i], flag.ptr());
+      PyObject* mark = PyObject_GetAttr(param.ptr(), flag.ptr());
       if (mark == nullptr) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw nb::python_error();
         PyErr_Clear();
@@ -252,7 +253,7 @@ nb::object grads_and_key(nb::handle params, nb::str name, nb::object flag, nb::h
       if (mark == skipped.ptr()) continue;
       if (mark != counted.ptr()) return nb::bool_(false);
     }
-    PyObject* grad = get_grad.get(items[i]);
+    PyObject* grad = get_grad.get(param.ptr());
     if (grad == nullptr) {
       if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw nb::python_error();
       PyErr_Clear();  // getattr(param, name, None)

@@ -296,8 +296,6 @@ def test_grads_and_key_reads_the_named_attribute_in_order():
         _leanstep.grads_and_key(iter(params), "grad")
 
 
-
-
 def test_grads_and_key_reads_grad_as_getattr_does_for_every_type():
     # The pass calls torch's `grad` getter straight for a run of one type: a type that
     # overrides `grad` (a property), a type changed between calls, a param whose getter
@@ -339,6 +337,53 @@ def test_grads_and_key_reads_grad_as_getattr_does_for_every_type():
 
     with pytest.raises(RuntimeError, match="no grad here"):
         _leanstep.grads_and_key(params[:2] + [Raising(torch.zeros(1))], "grad")
+
+
+def test_grads_and_key_sees_a_type_changed_during_the_pass():
+    # The getter is remembered for a run of one type; a type changed by Python code the
+    # pass itself runs (here the filter attribute's property, read before each grad) must
+    # be looked up again, as getattr would.
+    counted, skipped = object(), object()
+    alternate = torch.arange(4.0)
+
+    class Changing(torch.nn.Parameter):
+        @property
+        def flag(self):
+            if self.change_type:
+                type(self).grad = property(lambda p: alternate)
+            return counted
+
+    params = [Changing(torch.zeros(4)) for _ in range(3)]
+    for i, p in enumerate(params):
+        p.grad = torch.full((4,), float(i))
+        p.change_type = i == 1
+    expected_first = params[0].grad
+    try:
+        out, _, _ = _leanstep.grads_and_key(params, "grad", "flag", counted, skipped)
+        assert [id(g) for g in out] == [id(expected_first), id(alternate), id(alternate)]
+    finally:
+        if "grad" in vars(Changing):
+            del Changing.grad
+
+
+def test_grads_and_key_survives_a_list_changed_during_the_pass():
+    # A property that empties the list mid-pass: no read past its end, no crash.
+    counted, skipped = object(), object()
+    params = []
+
+    class Emptying(torch.nn.Parameter):
+        @property
+        def flag(self):
+            params.clear()
+            return counted
+
+    params.extend(Emptying(torch.zeros(2)) for _ in range(4))
+    for p in params:
+        p.grad = torch.ones(2)
+    out, _, _ = _leanstep.grads_and_key(params, "grad", "flag", counted, skipped)
+    assert len(out) == 1
+
+
 def test_keys_are_exact_under_random_views(torch_gen, rng):
     # Random views of random buffers: two lists have one key exactly when every
     # view has the same address, dtype, shape and strides.
