@@ -440,7 +440,8 @@ def bench_hf(table, args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
-    ap.add_argument("--rounds", type=int, default=15, help="rounds per case (default 15), rounded up to whole Williams squares")
+    ap.add_argument("--rounds", type=int, default=15,
+                    help="rounds per case (default 15), rounded up to whole Williams squares")
     ap.add_argument("--only", default=None,
                     help="comma-separated benches (default rmsnorm,moe,grad,hf; on cuda no hf)")
     ap.add_argument("--json", action="store_true", help="JSON lines after the table")

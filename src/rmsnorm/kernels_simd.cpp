@@ -58,10 +58,11 @@ HWY_INLINE void TailFromF32(const float* padded, void* base, int64_t i, int64_t 
   }
 }
 
-// sum of x[i]^2, in 4 independent accumulators
 // The row kernels are inlined into the chunk loops (ForwardRowsT, BackwardRowsT):
 // a row of 256 is 8 to 16 vector steps, and a call per row with its frame and
 // constants cost about as much as a fifth of the row (perf, bf16 forward).
+
+// sum of x[i]^2, in 4 independent accumulators
 template <DType kT>
 HWY_INLINE float SumSquaresT(const void* x, int64_t n) {
   const hn::ScalableTag<float> d;
@@ -121,8 +122,8 @@ HWY_INLINE void ScaleRowT(const void* x, float r, const float* HWY_RESTRICT g, v
 // trainable backward's dgamma partial, accumulated in the pass that streams dy
 // and x from memory: the dx pass then is the frozen one, from cache).
 template <DType kT, bool kAccumulate>
-HWY_INLINE float GdyXhatDotT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r, float* HWY_RESTRICT partial,
-                  int64_t n) {
+HWY_INLINE float GdyXhatDotT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r,
+                             float* HWY_RESTRICT partial, int64_t n) {
   const hn::ScalableTag<float> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const auto vr = hn::Set(d, r);

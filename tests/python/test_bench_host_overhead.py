@@ -5,6 +5,7 @@ measures, the test only runs it. Megatron-Core is looked for, not imported, in t
 process: importing it imports triton, which the Triton-interpreter tests later in the
 session need unimported."""
 
+import collections
 import importlib.util
 import json
 import math
@@ -38,9 +39,7 @@ def test_the_megatron_cases_run_and_give_a_row_per_variant():
             "leanstep patch, torch-op backend"}
     # Rounds come in whole Williams squares: two of three rows for three variants
     # (an odd count), one of two rows for two; --quick asks for 3.
-    per_case = {}
-    for b, c, v in variants:
-        per_case[c] = per_case.get(c, 0) + 1
+    per_case = collections.Counter(c for _, c, _ in variants)
     for r in rows:
         assert r["rounds"] == {2: 4, 3: 6}[per_case[r["case"]]], r
     for r in rows:
