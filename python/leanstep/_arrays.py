@@ -331,7 +331,13 @@ def _empty(shape, dtype, like):
 
 def zeros(shape, dtype, like):
     out = empty(shape, dtype, like)
-    out[...] = 0
+    # torch: one zero_ op, not the indexing path of `out[...] = 0` (several ops; after a
+    # pass over thousands of grads, when torch's code is out of cache, 25 us more per
+    # scalar, measured).
+    if hasattr(out, "zero_"):
+        out.zero_()
+    else:
+        out[...] = 0
     return out
 
 

@@ -198,7 +198,16 @@ class GradPlan:
             self._check_in_place("norm")
         return self._norm(norm_type, inv_scale, out, found_inf)
 
-    def _norm(self, norm_type, inv_scale, out, found_inf):
+    def total_norm(self, norm_type=2.0, *, out=None):
+        """The norm alone, a 1-element fp32 array (``out`` if given): what
+        :meth:`norm` returns first, for callers that drop its flag (Megatron's
+        get_grad_norm_fp32, torch's clip_grad_norm_). The torch-op backend then
+        makes no flag (four ops fewer: its zeroed scalar and the non-finite
+        test); the CPU kernels and Triton find it in the same pass anyway."""
+        self._check_current("norm")
+        return self._norm(norm_type, None, out, None, want_found_inf=False)[0]
+
+    def _norm(self, norm_type, inv_scale, out, found_inf, want_found_inf=True):
         norm_type = float(norm_type)
         if not (norm_type > 0):
             raise Error(f"GradPlan.norm: argument 'norm_type' must be > 0 or inf (got {norm_type})")
@@ -213,7 +222,10 @@ class GradPlan:
             return plan.norm(norm_type, None if out is None else view(out),
                              None if found_inf is None else view(found_inf),
                              None if inv_scale is None else _maybe_view(inv_scale))
-        found_inf = self._new_scalar("float32") if found_inf is None else view(found_inf)
+        if found_inf is not None:
+            found_inf = view(found_inf)
+        elif want_found_inf:
+            found_inf = self._new_scalar("float32")
         if backend == "torch":
             out = plan.norm(norm_type, None if out is None else view(out), found_inf,
                             None if inv_scale is None else _maybe_view(inv_scale))

@@ -124,7 +124,7 @@ def _total_norm(grads, key, norm_type, error_if_nonfinite, foreach, op):
         _decide(op, "torch", reason)
         return _torch_get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     _decide(op, "leanstep", plan.backend)
-    norm, _ = plan.norm(norm_type)
+    norm = plan.total_norm(norm_type)
     total = norm.view(())
     dtype = _result_dtype(plan.dtypes)
     if dtype != torch.float32:

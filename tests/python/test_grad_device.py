@@ -207,3 +207,81 @@ def test_a_plan_names_its_device_as_its_tensors_do(monkeypatch):
     assert torch_grad.canonical_device(torch.device("cpu")) == torch.device("cpu")
     assert torch_grad.canonical_device("meta") == torch.device("meta")
     assert torch_grad.TorchGradPlan([], torch.device("cuda")).device == torch.device("cuda", 3)
+
+
+# ---------------------------------------------------------------- the norm without its flag
+
+
+def test_total_norm_makes_no_flag_on_the_torch_backend():
+    # get_grad_norm_fp32 and clip_grad_norm_ drop the flag: total_norm must not pay for it
+    # (its zeroed scalar and the non-finite test: four ops), and must stay sync-free.
+    _, grads, _ = lora_layout("meta")
+    plan = leanstep.GradPlan(grads)
+    with leanstep.audit() as with_flag:
+        plan.norm(2.0)
+    with leanstep.audit() as alone:
+        plan.total_norm(2.0)
+    assert alone.num_syncs == 0 and alone.num_host_reads == 0, alone.format_table()
+    assert alone.num_ops <= with_flag.num_ops - 4, (
+        f"total_norm: {alone.num_ops} ops, norm: {with_flag.num_ops}\n{alone.format_table()}")
+    table = alone.format_table()
+    assert "aten.maximum" not in table and "aten.ne." not in table, table
+    # A flat buffer's views, one region: the norm is one op, then the fp32 result.
+    buf = torch.empty(3168 * 16, device="meta")
+    plan = leanstep.GradPlan(list(buf.split(16)))
+    with leanstep.audit() as one_region:
+        plan.total_norm(2.0)
+    assert one_region.num_syncs == 0 and one_region.num_ops <= 2, one_region.format_table()
+
+
+@pytest.mark.parametrize("dname", sorted(FLOATS))
+@pytest.mark.parametrize("p", [2.0, math.inf, 1.0, 3.0])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("layout", ["one_region", "views_in_two_buffers", "duplicated", "empty"])
+def test_total_norm_is_norms_value_on_random_grads(dname, p, backend, layout, torch_gen):
+    """total_norm gives norm()'s first result bit for bit on the same plan, and both
+    are within one fp32 rounding of a float64 oracle: the sum runs in float64 on
+    both backends (its error, below 2^-40 relative for these sizes, is far under
+    the 2^-24 of the final fp32 rounding; 2^-23 allows for the fp16/bf16 grads'
+    own widening, which is exact). The torch backend takes one op for a single
+    region (a flat buffer's views), the list path otherwise: both are covered."""
+    dtype = FLOATS[dname]
+    sizes = [int(s) for s in torch.randint(1, 300, (int(torch.randint(1, 9, (1,),
+                                                                        generator=torch_gen)),),
+                                           generator=torch_gen)]
+    buf = (torch.randn(sum(sizes) + 5, generator=torch_gen, dtype=torch.float64)
+           * 10.0 ** float(torch.randint(-3, 4, (1,), generator=torch_gen))).to(dtype)
+    views = list(buf[5:].split(sizes))
+    if layout == "views_in_two_buffers":
+        views.append(torch.randn(17, generator=torch_gen, dtype=torch.float64).to(dtype))
+    elif layout == "duplicated":
+        views.append(views[0])  # listed twice: counted twice, as the CPU path does
+    elif layout == "empty":
+        views = []
+    plan = leanstep.GradPlan(views, backend=backend, like=buf)
+    if layout == "one_region" and backend == "torch":
+        assert len(plan._torch_plan.views) == 1  # the single-op path
+    alone = plan.total_norm(p)
+    with_flag, _ = plan.norm(p)
+    assert alone.dtype == torch.float32 and alone.shape == (1,)
+    assert_bitwise(alone, with_flag)
+    if views:
+        values = torch.cat([v.reshape(-1).to(torch.float64) for v in views])
+        oracle = values.abs().max() if p == math.inf else values.abs().pow(p).sum().pow(1.0 / p)
+    else:
+        oracle = torch.zeros((), dtype=torch.float64)
+    assert abs(float(alone) - float(oracle)) <= 2.0 ** -23 * float(oracle), (
+        f"{float(alone)!r} against the float64 oracle {float(oracle)!r}")
+
+
+def test_total_norm_of_a_non_finite_grad_is_the_norms():
+    # No flag made, but the value says it: inf or NaN as norm() gives it.
+    for bad in (math.inf, math.nan):
+        buf = torch.ones(40)
+        buf[7] = bad
+        views = list(buf.split([9, 31]))
+        for backend in ("cpu", "torch"):
+            plan = leanstep.GradPlan(views, backend=backend)
+            got, flag = plan.norm(2.0)
+            assert flag.item() == 1.0
+            assert_bitwise(plan.total_norm(2.0), got)

@@ -213,6 +213,17 @@ class TorchGradPlan:
 
     def _total(self, norm_type):
         """The total norm in the accumulation dtype, shape [1]."""
+        if (len(self.views) == 1 and self.views[0].dim() == 1 and not self.weighted
+                and norm_type in (2.0, float("inf"))):
+            # One region (a flat buffer's views, coalesced) or one 1-d grad: its norm
+            # is the total, one op where the list path takes three (per-view norms,
+            # stack, their norm). p = 2 and inf only: there the list path's outer norm
+            # of one value is exact (sqrt(x * x) and the max of x are x), so the two
+            # differ at most by the order in which torch's two kernels sum the region.
+            dtype = self.acc_dtype
+            if norm_type == float("inf") and not self.has_float64_grads:
+                dtype = torch.float32
+            return torch.linalg.vector_norm(self.views[0], norm_type, keepdim=True, dtype=dtype)
         norms = self.view_norms(norm_type)
         if norm_type == float("inf"):
             return norms.amax(0, keepdim=True)  # amax propagates NaN
@@ -244,14 +255,16 @@ class TorchGradPlan:
 
     def norm(self, norm_type, out, found_inf, inv_scale=None):
         """Returns the total norm (fp32 [1], into `out` if given); found_inf
-        |= any non-finite input (before any unscaling). With inv_scale, the
-        grads are unscaled in place first."""
+        |= any non-finite input (before any unscaling; None: no flag made).
+        With inv_scale, the grads are unscaled in place first."""
         if not self.views:
             return self._result(torch.zeros(1, dtype=torch.float32, device=self.device), out)
         if inv_scale is not None:
             self.unscale(inv_scale, found_inf)
             return self._result(self._total(norm_type), out)
         total = self._total(norm_type)
+        if found_inf is None:
+            return self._result(total, out)
         if norm_type == float("inf") or (norm_type == 2.0 and self.acc_dtype == torch.float64
                                          and not self.has_float64_grads):
             # Exact: squares of finite fp32/fp16/bf16 values cannot overflow

@@ -77,7 +77,7 @@ def _make_get_grad_norm_fp32(original, spec):
             return original(grads, norm_type, grad_stats_parallel_group)
         _patching.count(spec.name, *_device_tag(plan)[::-1])
         p = float(norm_type)
-        norm, _ = plan.norm(norm_type=p)
+        norm = plan.total_norm(p)
         if p == math.inf:
             all_reduce(norm, torch.distributed.ReduceOp.MAX, grad_stats_parallel_group)
             # Both versions return the inf-norm as a float (of the fp32 max): the
