@@ -285,3 +285,35 @@ def test_total_norm_of_a_non_finite_grad_is_the_norms():
             got, flag = plan.norm(2.0)
             assert flag.item() == 1.0
             assert_bitwise(plan.total_norm(2.0), got)
+
+
+@pytest.mark.parametrize("dname", sorted(FLOATS))
+@pytest.mark.parametrize("layout", ["one_region", "views_in_two_buffers", "duplicated", "empty"])
+def test_count_zeros_on_random_grads_every_backend(dname, layout, torch_gen):
+    # The torch backend counts one region (a flat buffer's views) in one op plus the
+    # subtraction, the list path otherwise; both against the exact count (zeros of both
+    # signs, a view listed twice counted twice).
+    dtype = FLOATS[dname]
+    n_views = int(torch.randint(1, 9, (1,), generator=torch_gen))
+    sizes = [int(s) for s in torch.randint(0, 300, (n_views,), generator=torch_gen)]
+    buf = torch.randn(sum(sizes) + 3, generator=torch_gen).to(dtype)
+    buf[torch.rand(buf.shape, generator=torch_gen) < 0.3] = 0.0
+    buf[torch.rand(buf.shape, generator=torch_gen) < 0.1] = -0.0
+    views = list(buf[3:].split(sizes))
+    if layout == "views_in_two_buffers":
+        views.append(torch.tensor([0.0, 1.0, -0.0], dtype=dtype))
+    elif layout == "duplicated":
+        views.append(views[-1])
+    elif layout == "empty":
+        views = []
+    expected = sum(int((v == 0).sum()) for v in views)
+    for backend in ("cpu", "torch"):
+        plan = leanstep.GradPlan(views, backend=backend, like=buf)
+        got = plan.count_zeros()
+        assert got.dtype == torch.int64 and got.shape == (1,)
+        assert int(got) == expected, (backend, int(got), expected)
+    meta = torch.empty(3168 * 16, device="meta")
+    plan = leanstep.GradPlan(list(meta.split(16)))
+    with leanstep.audit() as one_region:
+        plan.count_zeros()
+    assert one_region.num_syncs == 0 and one_region.num_ops <= 3, one_region.format_table()

@@ -335,10 +335,15 @@ class TorchGradPlan:
         if not self.views:
             zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
             return zeros if out is None else out.copy_(zeros)
-        counts = torch.stack([torch.count_nonzero(v) for v in self.views])
-        if self.weighted:
-            counts = counts * self.weights.to(torch.int64)
-        zeros = counts.sum(0, keepdim=True).neg_().add_(self.numel)
+        if len(self.views) == 1 and self.views[0].dim() == 1 and not self.weighted:
+            # One region (a flat buffer's views): its count, shape [1], in one op.
+            nonzero = torch.count_nonzero(self.views[0].view(1, -1), dim=1)
+        else:
+            counts = torch.stack([torch.count_nonzero(v) for v in self.views])
+            if self.weighted:
+                counts = counts * self.weights.to(torch.int64)
+            nonzero = counts.sum(0, keepdim=True)
+        zeros = torch.rsub(nonzero, self.numel)  # numel - nonzero, int64: exact
         if out is None:
             return zeros
         out.copy_(zeros)
