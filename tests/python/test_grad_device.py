@@ -282,9 +282,11 @@ def test_total_norm_of_a_non_finite_grad_is_the_norms():
         views = list(buf.split([9, 31]))
         for backend in ("cpu", "torch"):
             plan = leanstep.GradPlan(views, backend=backend)
-            got, flag = plan.norm(2.0)
-            assert flag.item() == 1.0
-            assert_bitwise(plan.total_norm(2.0), got)
+            for p in (2.0, math.inf):
+                got, flag = plan.norm(p)
+                assert flag.item() == 1.0
+                assert_bitwise(plan.total_norm(p), got)
+                assert not math.isfinite(got.item())
 
 
 @pytest.mark.parametrize("dname", sorted(FLOATS))
