@@ -334,7 +334,7 @@ def zeros(shape, dtype, like):
     # torch: one zero_ op, not the indexing path of `out[...] = 0` (several ops; after a
     # pass over thousands of grads, when torch's code is out of cache, 25 us more per
     # scalar, measured).
-    if hasattr(out, "zero_"):
+    if is_torch(out):
         out.zero_()
     else:
         out[...] = 0

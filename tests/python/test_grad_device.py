@@ -226,12 +226,19 @@ def test_total_norm_makes_no_flag_on_the_torch_backend():
         f"total_norm: {alone.num_ops} ops, norm: {with_flag.num_ops}\n{alone.format_table()}")
     table = alone.format_table()
     assert "aten.maximum" not in table and "aten.ne." not in table, table
-    # A flat buffer's views, one region: the norm is one op, then the fp32 result.
+
+
+def test_one_region_is_one_op_on_the_torch_backend():
+    # A flat buffer's views coalesce into one region: its norm is one op, then the fp32
+    # result; its zero count one op (on a view of it), then numel minus the count.
     buf = torch.empty(3168 * 16, device="meta")
     plan = leanstep.GradPlan(list(buf.split(16)))
-    with leanstep.audit() as one_region:
+    with leanstep.audit() as norm:
         plan.total_norm(2.0)
-    assert one_region.num_syncs == 0 and one_region.num_ops <= 2, one_region.format_table()
+    assert norm.num_syncs == 0 and norm.num_ops <= 2, norm.format_table()
+    with leanstep.audit() as zeros:
+        plan.count_zeros()
+    assert zeros.num_syncs == 0 and zeros.num_ops <= 3, zeros.format_table()
 
 
 @pytest.mark.parametrize("dname", sorted(FLOATS))
@@ -314,8 +321,3 @@ def test_count_zeros_on_random_grads_every_backend(dname, layout, torch_gen):
         got = plan.count_zeros()
         assert got.dtype == torch.int64 and got.shape == (1,)
         assert int(got) == expected, (backend, int(got), expected)
-    meta = torch.empty(3168 * 16, device="meta")
-    plan = leanstep.GradPlan(list(meta.split(16)))
-    with leanstep.audit() as one_region:
-        plan.count_zeros()
-    assert one_region.num_syncs == 0 and one_region.num_ops <= 3, one_region.format_table()

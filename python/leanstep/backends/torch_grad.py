@@ -205,25 +205,33 @@ class TorchGradPlan:
             raise Error(f"GradPlan: argument '{arg}' must be on the grads' device "
                         f"{self.device} (got {value.device})")
 
-    def view_norms(self, norm_type):
-        dtype = self.acc_dtype
+    def _norm_dtype(self, norm_type):
         if norm_type == float("inf") and not self.has_float64_grads:
-            dtype = torch.float32  # max |x| is exact in any dtype that holds x
-        return torch.stack(torch._foreach_norm(self.views, norm_type, dtype=dtype))
+            return torch.float32  # max |x| is exact in any dtype that holds x
+        return self.acc_dtype
+
+    def view_norms(self, norm_type):
+        return torch.stack(torch._foreach_norm(self.views, norm_type,
+                                               dtype=self._norm_dtype(norm_type)))
+
+    def _one_flat_view(self):
+        """The plan's only view when it is one 1-d view counted once (one region, a
+        flat buffer's views coalesced, or one 1-d grad), else None: the total over it
+        is one op, where the list path stacks per-view results."""
+        if len(self.views) == 1 and self.views[0].dim() == 1 and not self.weighted:
+            return self.views[0]
+        return None
 
     def _total(self, norm_type):
         """The total norm in the accumulation dtype, shape [1]."""
-        if (len(self.views) == 1 and self.views[0].dim() == 1 and not self.weighted
-                and norm_type in (2.0, float("inf"))):
-            # One region (a flat buffer's views, coalesced) or one 1-d grad: its norm
-            # is the total, one op where the list path takes three (per-view norms,
-            # stack, their norm). p = 2 and inf only: there the list path's outer norm
-            # of one value is exact (sqrt(x * x) and the max of x are x), so the two
-            # differ at most by the order in which torch's two kernels sum the region.
-            dtype = self.acc_dtype
-            if norm_type == float("inf") and not self.has_float64_grads:
-                dtype = torch.float32
-            return torch.linalg.vector_norm(self.views[0], norm_type, keepdim=True, dtype=dtype)
+        flat = self._one_flat_view() if norm_type in (2.0, float("inf")) else None
+        if flat is not None:
+            # One op, not three (per-view norms, stack, their norm). p = 2 and inf only:
+            # there the list path's outer norm of one value is exact (sqrt(x * x) and
+            # the max of x are x), so the two differ at most by the order in which
+            # torch's two kernels sum the view.
+            return torch.linalg.vector_norm(flat, norm_type, keepdim=True,
+                                            dtype=self._norm_dtype(norm_type))
         norms = self.view_norms(norm_type)
         if norm_type == float("inf"):
             return norms.amax(0, keepdim=True)  # amax propagates NaN
@@ -335,9 +343,9 @@ class TorchGradPlan:
         if not self.views:
             zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
             return zeros if out is None else out.copy_(zeros)
-        if len(self.views) == 1 and self.views[0].dim() == 1 and not self.weighted:
-            # One region (a flat buffer's views): its count, shape [1], in one op.
-            nonzero = torch.count_nonzero(self.views[0].view(1, -1), dim=1)
+        flat = self._one_flat_view()
+        if flat is not None:
+            nonzero = torch.count_nonzero(flat.view(1, -1), dim=1)  # shape [1], one op
         else:
             counts = torch.stack([torch.count_nonzero(v) for v in self.views])
             if self.weighted:
