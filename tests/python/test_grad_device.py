@@ -239,6 +239,9 @@ def test_one_region_is_one_op_on_the_torch_backend():
     with leanstep.audit() as zeros:
         plan.count_zeros()
     assert zeros.num_syncs == 0 and zeros.num_ops <= 3, zeros.format_table()
+    with leanstep.audit() as scaled:
+        plan.scale_(0.5)  # fp32 views times a Python number: one multiply in place
+    assert scaled.num_syncs == 0 and scaled.num_ops == 1, scaled.format_table()
 
 
 @pytest.mark.parametrize("dname", sorted(FLOATS))
@@ -321,3 +324,41 @@ def test_count_zeros_on_random_grads_every_backend(dname, layout, torch_gen):
         got = plan.count_zeros()
         assert got.dtype == torch.int64 and got.shape == (1,)
         assert int(got) == expected, (backend, int(got), expected)
+
+
+@pytest.mark.parametrize("dname", sorted(FLOATS))
+@pytest.mark.parametrize("layout", ["one_region", "views_in_two_buffers", "duplicated", "empty"])
+def test_scale_by_a_number_on_random_grads_every_backend(dname, layout, torch_gen):
+    """scale_ by a Python number: the torch backend (one multiply over a single fp32
+    region, its list path otherwise) gives the CPU kernels' bits on every dtype and
+    layout; a view listed twice is scaled twice. fp32 grads are also checked against
+    a float64 oracle: x * float32(scale) is exact in float64, so rounding it to fp32
+    once must give the kernels' bits (tolerance 0)."""
+    dtype = FLOATS[dname]
+    n_views = int(torch.randint(1, 9, (1,), generator=torch_gen))
+    sizes = [int(s) for s in torch.randint(0, 300, (n_views,), generator=torch_gen)]
+    source = torch.randn(sum(sizes) + 3, generator=torch_gen, dtype=torch.float64).to(dtype)
+    scale = float(torch.rand((), generator=torch_gen, dtype=torch.float64)) * 2.0
+    results = {}
+    for backend in ("cpu", "torch"):
+        buf = source.clone()
+        views = list(buf[3:].split(sizes))
+        if layout == "views_in_two_buffers":
+            views.append(torch.tensor([1.5, -2.25, 3.0], dtype=dtype))
+        elif layout == "duplicated":
+            views.append(views[-1])
+        elif layout == "empty":
+            views = []
+        plan = leanstep.GradPlan(views, backend=backend, like=source)
+        if backend == "torch" and layout == "one_region":
+            assert len(plan._torch_plan.views) == 1  # the single-op path for fp32
+        plan.scale_(scale)
+        results[backend] = (buf, views)
+    (cpu_buf, cpu_views), (torch_buf, torch_views) = results["cpu"], results["torch"]
+    assert_bitwise(torch_buf, cpu_buf)
+    for got, want in zip(torch_views, cpu_views):
+        assert_bitwise(got, want)
+    if dtype == torch.float32 and layout == "one_region":
+        oracle = (source[3:].to(torch.float64) * float(torch.tensor(scale, dtype=torch.float32)))
+        assert_bitwise(torch_buf[3:], oracle.to(torch.float32))
+    assert_bitwise(torch_buf[:3], source[:3])  # memory outside the views is untouched

@@ -335,8 +335,16 @@ class TorchGradPlan:
         return coeff
 
     def scale(self, scale):
-        if self.views:
-            self.scale_views(self._as_device_scalar(scale, "scale"))
+        if not self.views:
+            return
+        flat = self._one_flat_view()
+        if flat is not None and flat.dtype == torch.float32 and not isinstance(scale, torch.Tensor):
+            # One op, not a device scalar and a foreach call: an fp32 tensor times a
+            # Python number is x * float32(scale) on every device, the product the
+            # list path forms from its fp32 device scalar.
+            flat.mul_(float(scale))
+            return
+        self.scale_views(self._as_device_scalar(scale, "scale"))
 
     def count_zeros(self, out):
         """Returns sum(numel - count_nonzero) as int64 [1] (into `out` if given)."""
