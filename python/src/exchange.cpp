@@ -268,6 +268,53 @@ nb::object grads_and_key(nb::handle params, nb::str name, nb::object flag, nb::h
   return nb::make_tuple(grads, out[0], out[1]);
 }
 
+// (grads, hash, key) of the params a caller's cached selection counts, or False
+// when `params` is not the list the selection was made for. `ids`: the address of
+// every param of that list, in order (the caller holds a weak reference to each
+// and drops the selection when one dies, so an address names one object);
+// `counted`: one byte per param, nonzero for the params that take part. The
+// identity check runs as the pass reads each param: no per-param attribute read.
+nb::object selected_grads_and_key(nb::handle params, nb::str name, nb::bytes ids,
+                                  nb::bytes counted) {
+  PyObject* seq = params.ptr();
+  if (!PyList_Check(seq) && !PyTuple_Check(seq))
+    throw nb::type_error("selected_grads_and_key: argument 'params' must be a list or tuple");
+  const size_t n_ids = ids.size() / sizeof(uintptr_t);
+  if (ids.size() % sizeof(uintptr_t) != 0 || counted.size() != n_ids)
+    throw nb::value_error("selected_grads_and_key: arguments 'ids' and 'counted' must describe "
+                          "one list (one address and one byte per param)");
+  const char* id_bytes = ids.c_str();
+  const auto* counts = reinterpret_cast<const unsigned char*>(counted.c_str());
+  if (static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) != n_ids) return nb::bool_(false);
+  nb::list grads;
+  KeyBuilder key(n_ids);
+  AttrGetter get_grad(name.ptr());
+  // As in grads_and_key, a getter may run Python that changes the list: its size
+  // and items are read afresh each step.
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    if (static_cast<size_t>(i) >= n_ids) return nb::bool_(false);
+    PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
+    uintptr_t expected;
+    std::memcpy(&expected, id_bytes + static_cast<size_t>(i) * sizeof(uintptr_t), sizeof(expected));
+    if (reinterpret_cast<uintptr_t>(item) != expected) return nb::bool_(false);
+    if (counts[i] == 0) continue;
+    const nb::object param = nb::borrow(item);
+    PyObject* grad = get_grad.get(param.ptr());
+    if (grad == nullptr) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw nb::python_error();
+      PyErr_Clear();  // getattr(param, name, None)
+      continue;
+    }
+    nb::object owned = nb::steal(grad);
+    if (grad == Py_None) continue;
+    if (!key.add(grad)) return nb::none();
+    grads.append(owned);
+  }
+  if (static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) != n_ids) return nb::bool_(false);
+  nb::object out = key.result();
+  return nb::make_tuple(grads, out[0], out[1]);
+}
+
 }  // namespace
 
 const ExchangeApi* exchange_api(PyObject* obj) {
@@ -311,6 +358,11 @@ void bind_exchange(nb::module_& m) {
         "and their key as tensor_list_key gives it; None when some grad has no description. "
         "With flag: only params whose attribute flag is counted (those whose flag is skipped "
         "are left out); False when a param has neither.");
+  m.def("selected_grads_and_key", &selected_grads_and_key, nb::arg("params"), nb::arg("name"),
+        nb::arg("ids"), nb::arg("counted"),
+        "(grads, hash, key) as grads_and_key gives them for the params whose byte in counted "
+        "is nonzero; False when params is not the list ids names (one address per param, in "
+        "order), None when some grad has no description.");
   m.def("has_exchange_api", [](nb::handle obj) { return exchange_api(obj.ptr()) != nullptr; },
         nb::arg("obj"), "Whether obj's type offers DLPack's C exchange table.");
 }

@@ -4,6 +4,8 @@ must give what the full path gives, and anything that can change between
 calls (hooks, autocast, offload, the weight's requires_grad, a negated view,
 re-pointed grads) must be seen."""
 
+import struct
+
 import pytest
 import torch
 
@@ -382,6 +384,55 @@ def test_grads_and_key_survives_a_list_changed_during_the_pass():
         p.grad = torch.ones(2)
     out, _, _ = _leanstep.grads_and_key(params, "grad", "flag", counted, skipped)
     assert len(out) == 1
+
+
+def test_selected_grads_and_key_reads_the_counted_params_of_the_named_list():
+    # The remembered form of grads_and_key's filter: the same grads and key for the
+    # list it names; False for any other list (an entry replaced, shorter, longer).
+    counted, skipped = object(), object()
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(5)]
+    buf = torch.arange(15.0)
+    for i, p in enumerate(params):
+        p.grad = buf[3 * i:3 * i + 3]
+        vars(p)["flag"] = skipped if i == 3 else counted
+    params[1].grad = None
+    ids = struct.pack(f"{len(params)}P", *map(id, params))
+    mask = bytes(vars(p)["flag"] is counted for p in params)
+    got = _leanstep.selected_grads_and_key(params, "grad", ids, mask)
+    assert got[1:] == _leanstep.grads_and_key(params, "grad", "flag", counted, skipped)[1:]
+    assert [id(g) for g in got[0]] == [id(params[i].grad) for i in (0, 2, 4)]
+    assert _leanstep.selected_grads_and_key(tuple(params), "grad", ids, mask)[1:] == got[1:]
+    other = list(params)
+    other[2] = torch.nn.Parameter(torch.zeros(3))
+    assert _leanstep.selected_grads_and_key(other, "grad", ids, mask) is False
+    assert _leanstep.selected_grads_and_key(params[:-1], "grad", ids, mask) is False
+    assert _leanstep.selected_grads_and_key(params + params[:1], "grad", ids, mask) is False
+    meta = [torch.nn.Parameter(torch.zeros(2, device="meta"))]
+    meta[0].grad = torch.zeros(2, device="meta")
+    assert _leanstep.selected_grads_and_key(
+        meta, "grad", struct.pack("P", id(meta[0])), b"\x01") is None
+    with pytest.raises(ValueError, match="'ids' and 'counted'"):
+        _leanstep.selected_grads_and_key(params, "grad", ids, mask[:-1])
+    with pytest.raises(ValueError, match="'ids' and 'counted'"):
+        _leanstep.selected_grads_and_key(params, "grad", ids[:-1], mask)
+    with pytest.raises(TypeError, match="'params'"):
+        _leanstep.selected_grads_and_key(iter(params), "grad", ids, mask)
+
+
+def test_selected_grads_and_key_survives_a_list_changed_during_the_pass():
+    # A grad getter that empties the list mid-pass: no read past its end, and the
+    # answer is False (the list is no longer the one named).
+    params = []
+
+    class Emptying(torch.nn.Parameter):
+        @property
+        def grad(self):
+            params.clear()
+            return torch.ones(2)
+
+    params.extend(Emptying(torch.zeros(2)) for _ in range(4))
+    ids = struct.pack(f"{len(params)}P", *map(id, params))
+    assert _leanstep.selected_grads_and_key(params, "grad", ids, b"\x01" * 4) is False
 
 
 def test_keys_are_exact_under_random_views(torch_gen, rng):

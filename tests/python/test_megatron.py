@@ -4,6 +4,7 @@ signature, and result parity with Megatron-Core's own functions on CPU."""
 
 import inspect
 import math
+import struct
 import types
 import warnings
 
@@ -306,6 +307,109 @@ def test_count_zeros_matches_megatron(patched, megatron_on_cpu, torch_gen):
     assert ours.dtype == (torch.int64 if NEW_API else torch.float32)
     assert ours.item() == theirs == sum(
         g.numel() - int(g.count_nonzero()) for i, g in enumerate(grads) if i != 2)
+
+
+def test_count_zeros_over_calls_reads_each_list_as_megatron_does(patched, megatron_on_cpu,
+                                                                 monkeypatch, torch_gen):
+    """A list of params seen before is counted from its remembered marks: no attribute
+    of any param is read again, and the pass checks each entry's identity as it reads
+    its grad. The count is Megatron's on every call: the same list (or a copy of it),
+    an entry replaced by another param with the same ends of the list, a shorter or
+    longer list, a reversed one, new param objects after the old ones died (their
+    addresses reused), and new zeros in the grads each call."""
+    _, grads = make_buffer_grads(torch_gen)
+    world = torch.distributed.group.WORLD
+    passes = {"remembered": 0, "marks": 0}
+    remembered, marks = lm_grad.selected_grads_and_key, lm_grad.grads_and_key
+
+    def spy(name, fn):
+        def call(*args):
+            passes[name] += 1
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(lm_grad, "selected_grads_and_key", spy("remembered", remembered))
+    monkeypatch.setattr(lm_grad, "grads_and_key", spy("marks", marks))
+
+    def check(params):
+        for g in grads:
+            g.view(-1)[torch.rand(g.numel(), generator=torch_gen) < 0.3] = 0.0
+        theirs = ORIGINALS["count_zeros_fp32"](params, world, tp_group=world)
+        ours = optimizer.count_zeros_fp32(params, grad_stats_parallel_group=world, tp_group=world)
+        assert ours.item() == theirs
+
+    def make_params(shared_index):
+        params = [Param(g) for g in grads] + [Param(None)]
+        params[shared_index].shared = True  # filtered out by Megatron's param_is_not_shared
+        return params
+
+    params = make_params(2)
+    check(params)
+    first = dict(passes)
+    check(params)
+    check(list(params))
+    assert passes == {"remembered": first["remembered"] + 2, "marks": first["marks"]}
+
+    swapped = list(params)
+    swapped[1] = Param(grads[1], shared=True)  # same length and ends: position 1 differs
+    check(swapped)
+    assert passes["marks"] > first["marks"]
+    check(params[:-1])
+    check(params + [Param(grads[0])])
+    check(params[::-1])
+    check(params)  # the first list again: still remembered
+    params = make_params(0)  # new param objects, another one shared
+    check(params)
+    check(params)
+
+
+def test_marks_remembered_for_dead_params_are_not_used_at_their_addresses(
+        patched, megatron_on_cpu, torch_gen):
+    """New params at the addresses of dead ones (as the allocator may place them)
+    must be marked afresh: the remembered list is dropped when a param of it dies.
+    Forged here: the old list's entry is given the new params' addresses. While it
+    is marked dead it is not used (Megatron's count); marked alive it would be (the
+    old marks count the new shared param: a different count), which is what the
+    weak references prevent."""
+    _, grads = make_buffer_grads(torch_gen)
+    grads[1].view(-1)[:5] = 0
+    world = torch.distributed.group.WORLD
+    old = [Param(g) for g in grads]
+
+    def count(params):
+        return optimizer.count_zeros_fp32(params, grad_stats_parallel_group=world,
+                                          tp_group=world).item()
+
+    count(old)
+    context, = [c for c in lm_grad._zero_count_contexts.values()
+                if lm_grad._Selection.key(old) in c.selections]
+    new = [Param(g) for g in grads]
+    new[1].shared = True
+    theirs = ORIGINALS["count_zeros_fp32"](new, world, tp_group=world)
+    assert count(old) != theirs  # the shared param's zeros make a difference
+    for alive, expected_equal in ((False, True), (True, False)):
+        selection = lm_grad._Selection(old, context)
+        selection.ids = struct.pack(f"{len(new)}P", *map(id, new))
+        selection.alive[0] = alive
+        context.selections.clear()
+        context.selections[lm_grad._Selection.key(new)] = selection
+        for p in new:  # not marked yet: only the remembered list could count them
+            vars(p).pop(lm_grad.ZERO_COUNT_FLAG, None)
+        assert (count(new) == theirs) is expected_equal, alive
+    context.selections.clear()
+
+
+def test_a_remembered_list_of_params_is_dropped_when_a_param_dies(megatron_on_cpu):
+    context = lm_grad._zero_count_context(None, None, False)
+    params = [Param(torch.zeros(3)) for _ in range(4)]
+    for p in params:
+        vars(p)[lm_grad.ZERO_COUNT_FLAG] = context.counted
+    selection = lm_grad._Selection(params, context)
+    assert selection.alive[0] and selection.counted == bytes([1, 1, 1, 1])
+    params.pop(0)  # the last one is still bound to the loop's name
+    import gc
+    gc.collect()
+    assert not selection.alive[0]
 
 
 def test_non_cpu_or_subclass_grads_are_delegated(patched, megatron_on_cpu, torch_gen):

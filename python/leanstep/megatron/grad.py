@@ -11,13 +11,15 @@ per plan, not once per grad per call.
 import atexit
 import functools
 import math
+import struct
 import sys
 import threading
+import weakref
 
 import torch
 
 from .. import _dispatch
-from .._leanstep import grads_and_key
+from .._leanstep import grads_and_key, selected_grads_and_key
 from .._plans import PlanCache, as_list, grads_with_key
 from . import _patching
 from ._patching import EMPTY, Spec, Variant
@@ -186,13 +188,64 @@ class _ZeroCountContext:
     """The filter context of count_zeros_fp32: its process groups. Its two
     sentinels mark a param as counted or skipped under these groups; a param
     marked under other groups is evaluated again. The groups are held (their
-    ids cannot be reused while a mark may name them)."""
+    ids cannot be reused while a mark may name them). ``selections``: the
+    marks of the lists of params seen under these groups (:class:`_Selection`),
+    found by the list's length and its ends."""
 
-    __slots__ = ("groups", "counted", "skipped")
+    __slots__ = ("groups", "counted", "skipped", "selections")
 
     def __init__(self, groups):
         self.groups = groups
         self.counted, self.skipped = object(), object()
+        self.selections = {}
+
+
+#: Lists of params remembered per filter context (a chained optimizer passes one
+#: per sub-optimizer); the oldest is dropped past this.
+_SELECTIONS_PER_CONTEXT = 4
+
+
+class _Selection:
+    """The marks of one list of params, by position: which params count, read
+    once, so that the next call with the same list reads no attribute of any
+    param (the C pass checks each position's identity as it reads the grads).
+    Each param is held weakly; when one dies the selection is dropped, so an
+    address in ``ids`` always names the object that was marked. A param's marks
+    are what its attributes said when it was first seen, as with the marks
+    themselves."""
+
+    __slots__ = ("ids", "counted", "alive", "_refs")
+
+    def __init__(self, params, context):
+        alive = [True]
+
+        def dropped(_ref, alive=alive):
+            alive[0] = False
+
+        self._refs = [weakref.ref(p, dropped) for p in params]  # TypeError: not weakly referable
+        self.alive = alive
+        self.ids = struct.pack(f"{len(params)}P", *map(id, params))
+        self.counted = bytes(vars(p).get(ZERO_COUNT_FLAG) is context.counted for p in params)
+
+    @staticmethod
+    def key(params):
+        return (len(params), id(params[0]), id(params[-1])) if params else (0,)
+
+
+def _remember_selection(context, params):
+    """A selection of `params` (all marked under `context`), kept for the next
+    call; None where a param cannot be held weakly."""
+    try:
+        selection = _Selection(params, context)
+    except TypeError:
+        return None
+    with _zero_count_lock:
+        selections = context.selections
+        selections.pop(_Selection.key(params), None)
+        selections[_Selection.key(params)] = selection
+        while len(selections) > _SELECTIONS_PER_CONTEXT:
+            selections.pop(next(iter(selections)))
+    return selection
 
 
 _zero_count_contexts = {}
@@ -240,6 +293,12 @@ def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
     def select(params, attr, tp_group, expert_tp_group):
         """(grads to count, their key or None, reason)."""
         context = _zero_count_context(tp_group, expert_tp_group, with_expert_tp)
+        selection = context.selections.get(_Selection.key(params))
+        if selection is not None and selection.alive[0]:
+            keyed = selected_grads_and_key(params, attr, selection.ids, selection.counted)
+            # A param that died during the pass (a getter's own code) voids the answer.
+            if keyed is not False and selection.alive[0]:
+                return selected(params, attr, context, keyed)
         keyed = grads_and_key(params, attr, ZERO_COUNT_FLAG, context.counted, context.skipped)
         if keyed is False:  # some param not marked under this context yet
             reason = mark(params, context, tp_group, expert_tp_group)
@@ -247,6 +306,10 @@ def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
                 return None, None, reason
             keyed = grads_and_key(params, attr, ZERO_COUNT_FLAG, context.counted,
                                   context.skipped)
+        _remember_selection(context, params)
+        return selected(params, attr, context, keyed)
+
+    def selected(params, attr, context, keyed):
         if keyed is not None:
             grads, hash_, key = keyed
             return grads, (hash_, key), None
