@@ -233,19 +233,18 @@ class _Selection:
 
 
 def _remember_selection(context, params):
-    """A selection of `params` (all marked under `context`), kept for the next
-    call; None where a param cannot be held weakly."""
+    """Keeps a selection of `params` (all marked under `context`) for the next
+    call; none where a param cannot be held weakly (the marks serve each call)."""
     try:
         selection = _Selection(params, context)
     except TypeError:
-        return None
+        return
     with _zero_count_lock:
         selections = context.selections
         selections.pop(_Selection.key(params), None)
         selections[_Selection.key(params)] = selection
         while len(selections) > _SELECTIONS_PER_CONTEXT:
             selections.pop(next(iter(selections)))
-    return selection
 
 
 _zero_count_contexts = {}
