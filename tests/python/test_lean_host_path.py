@@ -94,6 +94,20 @@ def test_a_hook_added_after_the_decision_is_honoured():
         assert seen[-1] == "g"
     finally:
         glob.remove()
+    # Every kind of global hook, each checked on its own (the decided path names each).
+    module_api = torch.nn.modules.module
+    for register in (module_api.register_module_forward_pre_hook,
+                     module_api.register_module_forward_hook,
+                     module_api.register_module_full_backward_pre_hook,
+                     module_api.register_module_full_backward_hook):
+        m(x)
+        assert m.last_decision["path"] == "frozen_fused"
+        handle = register(lambda *a: None)
+        try:
+            m(x)
+            assert m.last_decision["path"] == "torch", register.__name__
+        finally:
+            handle.remove()
 
 
 def test_autocast_and_offload_after_the_decision_go_to_the_full_path():

@@ -363,6 +363,29 @@ def test_count_zeros_over_calls_reads_each_list_as_megatron_does(patched, megatr
     check(params)
 
 
+def test_count_zeros_of_params_without_weak_references(patched, megatron_on_cpu, torch_gen):
+    """Params that cannot be held weakly are never remembered as a list: each call
+    reads their marks, and the count is Megatron's on every call."""
+
+    class SlotParam:
+        __slots__ = ("grad", "__dict__")  # no __weakref__
+
+        def __init__(self, grad):
+            self.grad = grad
+
+    _, grads = make_buffer_grads(torch_gen)
+    world = torch.distributed.group.WORLD
+    params = [SlotParam(g) for g in grads]
+    params[0].shared = True
+    for _ in range(3):
+        grads[1].view(-1)[torch.rand(grads[1].numel(), generator=torch_gen) < 0.5] = 0.0
+        theirs = ORIGINALS["count_zeros_fp32"](params, world, tp_group=world)
+        ours = optimizer.count_zeros_fp32(params, grad_stats_parallel_group=world, tp_group=world)
+        assert ours.item() == theirs
+    assert not any(lm_grad._Selection.key(params) in c.selections
+                   for c in lm_grad._zero_count_contexts.values())
+
+
 def test_marks_remembered_for_dead_params_are_not_used_at_their_addresses(
         patched, megatron_on_cpu, torch_gen):
     """New params at the addresses of dead ones (as the allocator may place them)
