@@ -208,6 +208,22 @@ class AttrGetter {
   void* closure_ = nullptr;
 };
 
+// Appends getattr(param, name, None) to `grads` and `key` unless it is None;
+// false when the grad cannot be described (the caller answers None).
+bool add_grad(PyObject* param, AttrGetter& get_grad, KeyBuilder& key, nb::list& grads) {
+  PyObject* grad = get_grad.get(param);
+  if (grad == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw nb::python_error();
+    PyErr_Clear();  // getattr(param, name, None)
+    return true;
+  }
+  nb::object owned = nb::steal(grad);
+  if (grad == Py_None) return true;
+  if (!key.add(grad)) return false;
+  grads.append(owned);
+  return true;
+}
+
 // (hash, key) of a list or tuple of tensors, or None when some element cannot
 // be described (no exchange table, a device DLPack has no code for...).
 nb::object tensor_list_key(nb::handle tensors) {
@@ -253,16 +269,7 @@ nb::object grads_and_key(nb::handle params, nb::str name, nb::object flag, nb::h
       if (mark == skipped.ptr()) continue;
       if (mark != counted.ptr()) return nb::bool_(false);
     }
-    PyObject* grad = get_grad.get(param.ptr());
-    if (grad == nullptr) {
-      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw nb::python_error();
-      PyErr_Clear();  // getattr(param, name, None)
-      continue;
-    }
-    nb::object owned = nb::steal(grad);
-    if (grad == Py_None) continue;
-    if (!key.add(grad)) return nb::none();
-    grads.append(owned);
+    if (!add_grad(param.ptr(), get_grad, key, grads)) return nb::none();
   }
   nb::object out = key.result();
   return nb::make_tuple(grads, out[0], out[1]);
@@ -299,16 +306,7 @@ nb::object selected_grads_and_key(nb::handle params, nb::str name, nb::bytes ids
     if (reinterpret_cast<uintptr_t>(item) != expected) return nb::bool_(false);
     if (counts[i] == 0) continue;
     const nb::object param = nb::borrow(item);
-    PyObject* grad = get_grad.get(param.ptr());
-    if (grad == nullptr) {
-      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw nb::python_error();
-      PyErr_Clear();  // getattr(param, name, None)
-      continue;
-    }
-    nb::object owned = nb::steal(grad);
-    if (grad == Py_None) continue;
-    if (!key.add(grad)) return nb::none();
-    grads.append(owned);
+    if (!add_grad(param.ptr(), get_grad, key, grads)) return nb::none();
   }
   if (static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) != n_ids) return nb::bool_(false);
   nb::object out = key.result();
