@@ -552,22 +552,17 @@ class RMSNorm(torch.nn.RMSNorm):
                                       self.rounding, context)
 
 
-# torch's global hook dicts (mutated in place by the register functions, never rebound).
-_global_forward_hooks = torch.nn.modules.module._global_forward_hooks
-_global_forward_pre_hooks = torch.nn.modules.module._global_forward_pre_hooks
-_global_backward_hooks = torch.nn.modules.module._global_backward_hooks
-_global_backward_pre_hooks = torch.nn.modules.module._global_backward_pre_hooks
+_global_hooks = (torch.nn.modules.module._global_forward_hooks,
+                 torch.nn.modules.module._global_forward_pre_hooks,
+                 torch.nn.modules.module._global_backward_hooks,
+                 torch.nn.modules.module._global_backward_pre_hooks)
 
 
 def _hooks_active(module):
     """Whether a hook (the module's own or a global one) would see this call:
-    leanstep then hands it to torch, whose path the hooks were written for.
-    The global dicts are named one by one: ``any()`` over them costs a generator
-    per call (about 0.15 us of a 12 us no-grad call)."""
+    leanstep then hands it to torch, whose path the hooks were written for."""
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or _global_forward_hooks
-                or _global_forward_pre_hooks or _global_backward_hooks
-                or _global_backward_pre_hooks)
+                or module._backward_pre_hooks or any(_global_hooks))
 
 
 def _automatic_state():
@@ -580,8 +575,8 @@ _is_any_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 def _is_autocast_cpu():
     """Whether CPU autocast is on. Asked first whether any autocast is on: that
-    takes no device argument to parse (about 0.15 us less a call), and is off in
-    the common call."""
+    takes no device argument to parse (20-40 ns less a call, measured), and is
+    off in the common call."""
     if _is_any_autocast_enabled is not None and not _is_any_autocast_enabled():
         return False
     return torch.is_autocast_enabled("cpu")
