@@ -807,6 +807,39 @@ def test_clip_by_a_device_double_norm_is_the_float_path_bitwise(max_norm, patche
     assert all(torch.equal(a, b) for a, b in zip(grads, expected))
 
 
+def test_the_clip_factor_is_the_float_paths_near_fp32_rounding_boundaries(patched, megatron_on_cpu,
+                                                                        rng):
+    """The float path's factor is Python's max_norm / (norm + 1e-6), one rounding,
+    then an fp32 cast. Norms are chosen (fresh seeds) to put that quotient within an
+    ulp of an fp32 rounding midpoint, where a reciprocal-then-multiply quotient (two
+    roundings) gives another fp32 factor: the device factor must be the float
+    path's on every such case, and the grads scaled by it Megatron's, bit for bit."""
+    cases = [(0.559911975193751, 14.820119090219713)]  # found by the search below
+    while len(cases) < 12:
+        max_norm = float(rng.uniform(0.1, 5.0))
+        low = np.float32(rng.uniform(0.01, 0.99))
+        midpoint = (float(low) + float(np.nextafter(low, np.float32(2)))) / 2
+        norm = max_norm / midpoint - 1.0e-6
+        two_roundings = (1.0 / (norm + 1.0e-6)) * max_norm
+        if np.float32(two_roundings) != np.float32(max_norm / (norm + 1.0e-6)):
+            cases.append((max_norm, norm))
+    for max_norm, norm in cases:
+        quotient = max_norm / (norm + 1.0e-6)
+        expected = np.float32(quotient if quotient < 1.0 else 1.0)
+        got = lm_grad.host_float_clip_scale(max_norm, torch.tensor(norm, dtype=torch.float64))
+        assert got.dtype == torch.float32 and got.shape == (1,)
+        assert float(got[0]) == float(expected), (max_norm, norm)
+        grads = [torch.tensor([1.0, -3.0, 0.5, 7.25]), torch.tensor([2.0])]
+        theirs = [g.clone() for g in grads]
+        ORIGINALS["clip_grad_by_total_norm_fp32"]([Param(g) for g in theirs], max_norm, norm)
+        optimizer.clip_grad_by_total_norm_fp32([Param(g) for g in grads], max_norm,
+                                               torch.tensor(norm, dtype=torch.float64))
+        assert all(torch.equal(a, b) for a, b in zip(grads, theirs)), (max_norm, norm)
+    # NaN: the float path's `coeff < 1.0` is false, so nothing is scaled.
+    assert float(lm_grad.host_float_clip_scale(1.0, torch.tensor(math.nan,
+                                                                 dtype=torch.float64))[0]) == 1.0
+
+
 # ---------------------------------------------------------------- runtime switch
 
 

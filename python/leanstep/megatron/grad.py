@@ -110,20 +110,27 @@ def host_float_pow(value, exponent):
     base = value.to(torch.float64).reshape(())
     if exponent == 1.0:
         return base
-    return torch.pow(base, _exponent_tensor(exponent, base.device))
+    return torch.pow(base, _double_tensor(exponent, base.device))
 
 
 @functools.lru_cache(maxsize=16)
-def _exponent_tensor(exponent, device):
-    return torch.tensor(exponent, dtype=torch.float64, device=device)
+def _double_tensor(value, device):
+    """A 0-d float64 tensor of a constant (an exponent, a max_norm), made once per
+    value and device: a fresh one costs a host-to-device copy each step."""
+    return torch.tensor(value, dtype=torch.float64, device=device)
 
 
 def host_float_clip_scale(max_norm, total_norm):
     """The factor the installed float path scales the grads by, on the device:
     ``max_norm / (total_norm + 1e-6)`` in double, applied (as fp32) only when
-    it is below 1; 1.0 otherwise (a multiply by one changes no grad)."""
-    coeff = max_norm / (total_norm + 1.0e-6)
-    return torch.where(coeff < 1.0, coeff, torch.ones_like(coeff)).to(torch.float32).reshape(1)
+    it is below 1 (a NaN is not: 1.0, a multiply by one changes no grad). The
+    quotient is a true division: ``max_norm / tensor`` would be torch's
+    reciprocal then a multiply, two roundings, which differ from Python's one
+    in a quarter of doubles and, near an fp32 rounding boundary, in the fp32
+    factor itself."""
+    denominator = total_norm + 1.0e-6
+    coeff = torch.div(_double_tensor(max_norm, denominator.device), denominator)
+    return torch.where(coeff < 1.0, coeff, 1.0).to(torch.float32).reshape(1)
 
 
 # ---------------------------------------------------------------- clip_grad_by_total_norm_fp32
