@@ -110,14 +110,12 @@ def host_float_pow(value, exponent):
     base = value.to(torch.float64).reshape(())
     if exponent == 1.0:
         return base
-    return torch.pow(base, _double_tensor(exponent, base.device))
+    return torch.pow(base, _exponent_tensor(exponent, base.device))
 
 
 @functools.lru_cache(maxsize=16)
-def _double_tensor(value, device):
-    """A 0-d float64 tensor of a constant (an exponent, a max_norm), made once per
-    value and device: a fresh one costs a host-to-device copy each step."""
-    return torch.tensor(value, dtype=torch.float64, device=device)
+def _exponent_tensor(exponent, device):
+    return torch.tensor(exponent, dtype=torch.float64, device=device)
 
 
 def host_float_clip_scale(max_norm, total_norm):
@@ -127,9 +125,10 @@ def host_float_clip_scale(max_norm, total_norm):
     quotient is a true division: ``max_norm / tensor`` would be torch's
     reciprocal then a multiply, two roundings, which differ from Python's one
     in a quarter of doubles and, near an fp32 rounding boundary, in the fp32
-    factor itself."""
+    factor itself. ``torch.div`` takes the Python float as the numerator by value
+    (a double here: no device scalar made or kept per max_norm)."""
     denominator = total_norm + 1.0e-6
-    coeff = torch.div(_double_tensor(max_norm, denominator.device), denominator)
+    coeff = torch.div(max_norm, denominator)
     return torch.where(coeff < 1.0, coeff, 1.0).to(torch.float32).reshape(1)
 
 
