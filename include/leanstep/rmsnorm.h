@@ -26,10 +26,19 @@ enum class RoundingOrder : uint8_t {
 const char* rounding_name(RoundingOrder order);  // "scale_then_cast" / "cast_then_scale"
 RoundingOrder rounding_from_name(const std::string& name);
 
+// The order in which the forward sums a row's squares (its rounding of rstd).
+enum class SumOrder : uint8_t {
+  kLanes,     // leanstep's: 4 accumulators of the CPU's vector width, x*x fused into the sum
+  kTorchCpu,  // torch's composite rms_norm on the CPU: each square rounded to fp32, then
+              // its sum's cascade over 8-lane vectors (src/rmsnorm/torch_order.cpp); with
+              // the torch convention, y and rstd are torch's bit for bit
+};
+
 struct Options {
   double eps = 1e-6;                  // must be finite and >= 0; used as fp32
   bool zero_centered_gamma = false;   // g = 1 + gamma (gamma itself is never rewritten)
   RoundingOrder rounding = RoundingOrder::kScaleThenCast;  // forward only
+  SumOrder sum_order = SumOrder::kLanes;                    // forward only
 };
 
 // ---------------------------------------------------------------- kernels

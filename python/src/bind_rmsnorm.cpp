@@ -27,6 +27,12 @@ rmsnorm::Options make_options(double eps, bool zero_centered_gamma, const std::s
   return options;
 }
 
+rmsnorm::SumOrder sum_order_from_name(const std::string& name) {
+  if (name == "lanes") return rmsnorm::SumOrder::kLanes;
+  if (name == "torch_cpu") return rmsnorm::SumOrder::kTorchCpu;
+  throw_arg_error("rms_norm", "sum_order", "must be 'lanes' or 'torch_cpu' (got '" + name + "')");
+}
+
 bool use_reference(const std::string& impl) {
   if (impl == "fused") return false;
   if (impl == "reference") return true;
@@ -94,10 +100,11 @@ void bind_rmsnorm(nb::module_& m) {
   m.def(
       "rmsnorm_forward",
       [](InArray x, InArray gamma, OutArray y, OutArray rstd, double eps, bool zero_centered_gamma,
-         const std::string& rounding, const std::string& impl) {
+         const std::string& rounding, const std::string& impl, const std::string& sum_order) {
         const Tensor xt = to_tensor(x, "x"), gt = to_tensor(gamma, "weight");
         const Tensor yt = to_tensor(y, "y"), rt = to_tensor(rstd, "rstd");
-        const rmsnorm::Options options = make_options(eps, zero_centered_gamma, rounding);
+        rmsnorm::Options options = make_options(eps, zero_centered_gamma, rounding);
+        options.sum_order = sum_order_from_name(sum_order);
         const bool reference = use_reference(impl);
         nb::gil_scoped_release release;
         if (reference) rmsnorm::forward_reference(xt, gt, yt, rt, options);
@@ -105,7 +112,9 @@ void bind_rmsnorm(nb::module_& m) {
       },
       nb::arg("x"), nb::arg("weight"), nb::arg("y"), nb::arg("rstd"), nb::arg("eps"),
       nb::arg("zero_centered_gamma") = false, nb::arg("rounding") = "scale_then_cast",
-      nb::arg("impl") = "fused");
+      nb::arg("impl") = "fused", nb::arg("sum_order") = "lanes",
+      "sum_order: 'lanes' (leanstep's) or 'torch_cpu' (torch's composite rms_norm on the CPU, "
+      "bit for bit with its torch convention).");
 
   m.def(
       "rmsnorm_backward",
@@ -188,7 +197,8 @@ void bind_rmsnorm(nb::module_& m) {
   m.def(
       "rmsnorm_forward_lean",
       [](const InArray& x, const InArray& gamma, const OutArray& y, const std::optional<OutArray>& rstd,
-         double eps, bool zero_centered_gamma, bool cast_then_scale, bool weight_requires_grad) {
+         double eps, bool zero_centered_gamma, bool cast_then_scale, bool weight_requires_grad,
+         bool torch_order) {
         const Tensor xt = to_tensor(x, "x"), gt = to_tensor(gamma, "weight");
         const Tensor yt = to_tensor(y, "y");
         // rstd=None (a forward nothing differentiates): the kernel's rstd goes to a
@@ -208,6 +218,7 @@ void bind_rmsnorm(nb::module_& m) {
         options.zero_centered_gamma = zero_centered_gamma;
         options.rounding = cast_then_scale ? rmsnorm::RoundingOrder::kCastThenScale
                                            : rmsnorm::RoundingOrder::kScaleThenCast;
+        options.sum_order = torch_order ? rmsnorm::SumOrder::kTorchCpu : rmsnorm::SumOrder::kLanes;
         rmsnorm::CallContext context;
         context.weight_requires_grad = weight_requires_grad;
         nb::gil_scoped_release release;
@@ -215,7 +226,7 @@ void bind_rmsnorm(nb::module_& m) {
       },
       nb::arg("x"), nb::arg("weight"), nb::arg("y"), nb::arg("rstd").none(), nb::arg("eps"),
       nb::arg("zero_centered_gamma"), nb::arg("cast_then_scale"),
-      nb::arg("weight_requires_grad"));
+      nb::arg("weight_requires_grad"), nb::arg("torch_order") = false);
   m.def(
       "rmsnorm_backward_lean",
       [](const InArray& dy, const InArray& x, const InArray& rstd, const InArray& gamma,

@@ -55,6 +55,21 @@ void forward_fused(const Tensor& x, const Tensor& gamma, const Tensor& y, const 
   const bool cast_then_scale = options.rounding == RoundingOrder::kCastThenScale;
   const bool direct = x.dtype == y.dtype && direct_dtype(x.dtype) && !cast_then_scale;
   float* rstd_out = static_cast<float*>(rstd.data);
+  const bool torch_order = options.sum_order == SumOrder::kTorchCpu;
+  if (direct && torch_order) {  // the rstd of a block of rows, then its scaling from cache
+    const auto scale_rows = detail::scale_rows_kernel(x.dtype == DType::kBFloat16);
+    const int64_t row_bytes = h * static_cast<int64_t>(x.element_size());
+    const int64_t block = std::clamp<int64_t>(int64_t{16384} / std::max<int64_t>(row_bytes, 1), 1, 16);
+    leanstep::detail::parallel_chunks(s.rows, detail::rows_per_chunk(h), [&](int64_t, int64_t begin, int64_t end) {
+      for (int64_t first = begin; first < end; first += block) {
+        const int64_t count = std::min(block, end - first);
+        for (int64_t row = first; row < first + count; ++row)
+          rstd_out[row] = detail::inv_rms(detail::sum_squares_torch_order(row_ptr(x, row, h), x.dtype, h), h, eps);
+        scale_rows(row_ptr(x, first, h), g.data(), row_ptr_mut(y, first, h), rstd_out + first, count, h);
+      }
+    });
+    return;
+  }
   if (direct) {  // two passes over each row in its own dtype; the second from cache
     const auto forward_rows = detail::chunk_kernels(x.dtype == DType::kBFloat16).forward_rows;
     leanstep::detail::parallel_chunks(s.rows, detail::rows_per_chunk(h), [&](int64_t, int64_t begin, int64_t end) {
@@ -67,7 +82,9 @@ void forward_fused(const Tensor& x, const Tensor& gamma, const Tensor& y, const 
     Scratch scratch(h, 3);  // widened x, fp32 output, x-dtype rounding buffer
     for (int64_t row = begin; row < end; ++row) {
       const float* xr = row_as_f32(x, row, h, scratch.row(0));
-      const float r = detail::inv_rms(kernels.sum_squares(xr, h), h, eps);
+      const float sum_squares = torch_order ? detail::sum_squares_torch_order(xr, DType::kFloat32, h)
+                                            : kernels.sum_squares(xr, h);
+      const float r = detail::inv_rms(sum_squares, h, eps);
       rstd_out[row] = r;
       float* out = y.dtype == DType::kFloat32 ? static_cast<float*>(row_ptr_mut(y, row, h)) : scratch.row(1);
       if (!cast_then_scale) {

@@ -39,8 +39,18 @@ struct ChunkKernels {
                         void* dx, int64_t rows, int64_t n);
 };
 
+// y = cast((x * rstd[row]) * g) for `rows` consecutive rows of n, fp32 or bf16 (x and y
+// in the rows' own dtype): the second pass of forward_rows, given the rows' rstd.
+using ScaleRowsKernel = void (*)(const void* x, const float* g, void* y, const float* rstd, int64_t rows,
+                                 int64_t n);
+
 // Read at each call (tests switch the Highway target between calls).
 RowKernels row_kernels();
+ScaleRowsKernel scale_rows_kernel(bool bf16);
+
+// The sum of a row's squares in torch's CPU order (SumOrder::kTorchCpu,
+// torch_order.cpp): fp32 or bf16 rows.
+float sum_squares_torch_order(const void* x, DType dtype, int64_t n);
 ChunkKernels chunk_kernels(bool bf16);
 
 // fp32 helpers of the scratch path: out = x * r; out = g * t; dst += src.

@@ -225,6 +225,18 @@ void ForwardRowsT(const void* x, const float* HWY_RESTRICT g, void* y, float* HW
   }
 }
 
+// The second pass of ForwardRowsT alone, each row with its given rstd.
+template <DType kT>
+void ScaleRowsT(const void* x, const float* HWY_RESTRICT g, void* y, const float* HWY_RESTRICT rstd, int64_t rows,
+                int64_t n) {
+  const size_t row_bytes = static_cast<size_t>(n) * dtype_size(kT);
+  const bool hardware_bf16 = leanstep::simd::HWY_NAMESPACE::HardwareBF16Rounding();
+  for (int64_t row = 0; row < rows; ++row) {
+    const size_t at = static_cast<size_t>(row) * row_bytes;
+    ScaleRowT<kT>(static_cast<const char*>(x) + at, rstd[row], g, static_cast<char*>(y) + at, n, hardware_bf16);
+  }
+}
+
 // dx of whole chunks of rows; `partial`: the dgamma partial of the chunk (trainable), or null.
 template <DType kT>
 void BackwardRowsT(const float* HWY_RESTRICT g, const void* dy, const void* x, const float* HWY_RESTRICT rstd,
@@ -263,6 +275,12 @@ void ForwardRowsF32(const void* x, const float* g, void* y, float* rstd, float e
 }
 void ForwardRowsBF16(const void* x, const float* g, void* y, float* rstd, float eps, int64_t rows, int64_t n) {
   ForwardRowsT<DType::kBFloat16>(x, g, y, rstd, eps, rows, n);
+}
+void ScaleRowsF32(const void* x, const float* g, void* y, const float* rstd, int64_t rows, int64_t n) {
+  ScaleRowsT<DType::kFloat32>(x, g, y, rstd, rows, n);
+}
+void ScaleRowsBF16(const void* x, const float* g, void* y, const float* rstd, int64_t rows, int64_t n) {
+  ScaleRowsT<DType::kBFloat16>(x, g, y, rstd, rows, n);
 }
 void BackwardRowsF32(const float* g, const void* dy, const void* x, const float* rstd, float* partial, void* dx,
                      int64_t rows, int64_t n) {
@@ -313,6 +331,8 @@ HWY_EXPORT(GdyXhatDotAccumulateF32);
 HWY_EXPORT(DxRowF32);
 HWY_EXPORT(ForwardRowsF32);
 HWY_EXPORT(ForwardRowsBF16);
+HWY_EXPORT(ScaleRowsF32);
+HWY_EXPORT(ScaleRowsBF16);
 HWY_EXPORT(BackwardRowsF32);
 HWY_EXPORT(BackwardRowsBF16);
 HWY_EXPORT(MulScalar);
@@ -336,6 +356,10 @@ ChunkKernels chunk_kernels(bool bf16) {
   k.forward_rows = bf16 ? HWY_DYNAMIC_DISPATCH(ForwardRowsBF16) : HWY_DYNAMIC_DISPATCH(ForwardRowsF32);
   k.backward_rows = bf16 ? HWY_DYNAMIC_DISPATCH(BackwardRowsBF16) : HWY_DYNAMIC_DISPATCH(BackwardRowsF32);
   return k;
+}
+
+ScaleRowsKernel scale_rows_kernel(bool bf16) {
+  return bf16 ? HWY_DYNAMIC_DISPATCH(ScaleRowsBF16) : HWY_DYNAMIC_DISPATCH(ScaleRowsF32);
 }
 
 void mul_scalar(const float* x, float r, float* out, int64_t n) { HWY_DYNAMIC_DISPATCH(MulScalar)(x, r, out, n); }

@@ -8,6 +8,7 @@
 
 #include "leanstep/rmsnorm.h"
 #include "rmsnorm/checks.h"
+#include "rmsnorm/kernels.h"
 
 namespace leanstep::rmsnorm {
 namespace {
@@ -34,13 +35,20 @@ void forward_reference(const Tensor& x, const Tensor& gamma, const Tensor& y, co
   const int64_t h = s.hidden;
   for (int64_t row = 0; row < s.rows; ++row) {
     const int64_t base = row * h;
-    double sum_squares = 0;
-    for (int64_t i = 0; i < h; ++i) {
-      const double v = load(x.data, x.dtype, base + i);
-      sum_squares += v * v;
+    float r;
+    if (options.sum_order == SumOrder::kTorchCpu) {  // an order, not an accuracy: torch's
+      std::vector<float> widened(static_cast<size_t>(h));
+      for (int64_t i = 0; i < h; ++i) widened[static_cast<size_t>(i)] = load(x.data, x.dtype, base + i);
+      r = detail::inv_rms(detail::sum_squares_torch_order(widened.data(), DType::kFloat32, h), h, eps);
+    } else {
+      double sum_squares = 0;
+      for (int64_t i = 0; i < h; ++i) {
+        const double v = load(x.data, x.dtype, base + i);
+        sum_squares += v * v;
+      }
+      const float mean_square = static_cast<float>(sum_squares / static_cast<double>(h));
+      r = 1.0f / std::sqrt(mean_square + eps);
     }
-    const float mean_square = static_cast<float>(sum_squares / static_cast<double>(h));
-    const float r = 1.0f / std::sqrt(mean_square + eps);
     static_cast<float*>(rstd.data)[row] = r;
     for (int64_t i = 0; i < h; ++i) {
       const float xv = load(x.data, x.dtype, base + i);

@@ -273,6 +273,84 @@ TEST(RmsNormFused, DirectBf16RowsMatchTheWidenedScratchPathBitwise) {
   }
 }
 
+// rstd as torch forms it from a sum of squares: mean = sum / n, + eps, 1 / sqrt, in fp32.
+float torch_rstd(float sum_squares, int64_t n, float eps) {
+  return 1.0f / std::sqrt(sum_squares / static_cast<float>(n) + eps);
+}
+
+TEST(RmsNormForward, TorchOrderSumsInTorchsCascade) {
+  // Rows whose sum of squares differs between torch's order and a plain one, each
+  // derived by hand from the order (src/rmsnorm/torch_order.cpp) and checked against
+  // torch's own rms_norm when written. Squares of 2^-12 are 2^-24: half an ulp of 1.
+  struct Row {
+    int64_t n;
+    std::vector<std::pair<int64_t, float>> values;  // (from index, value) runs; the rest 2^-12
+    float torch_sum, plain_sum;
+  };
+  const float tiny = std::ldexp(1.0f, -12);
+  const std::vector<Row> rows = {
+      // 8 lanes of 2^-24, a tail of 1: the tail first (1), each lane then a tie to even.
+      {9, {{8, 1.0f}}, 1.0f, 1.0f + std::ldexp(1.0f, -21)},
+      // n < 8: x[4..6] go into stream 0 with x[0] before stream 1 (2^24) joins it.
+      {7, {{0, 1.0f}, {1, 4096.0f}, {2, 1.0f}}, 16777220.0f, 16777216.0f},
+      // 1024 = 32 groups of 4 vectors: two runs of 16 in the cascade, each summed from 0;
+      // the first group's squares are 1, so the second run (16 * 2^-24) is not lost.
+      {1024, {{0, 1.0f}, {32, tiny}}, 32.0f + std::ldexp(1.0f, -15), 32.0f},
+  };
+  for (const Row& row : rows) {
+    SCOPED_TRACE(row.n);
+    for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      SCOPED_TRACE(dtype_name(dt));
+      Buffer x(dt, {1, row.n}), gamma(dt, {row.n}), y(dt, {1, row.n}), r(DType::kFloat32, {1});
+      for (int64_t i = 0; i < row.n; ++i) {
+        float v = tiny;
+        for (const auto& [from, value] : row.values)
+          if (i >= from) v = value;
+        store_from_double(x.data(), dt, i, v);
+        store_from_double(gamma.data(), dt, i, 1.0);
+      }
+      Options o;
+      o.eps = 1e-6;
+      o.sum_order = rn::SumOrder::kTorchCpu;
+      const float expected = torch_rstd(row.torch_sum, row.n, 1e-6f);
+      ASSERT_NE(expected, torch_rstd(row.plain_sum, row.n, 1e-6f));  // the row tells the orders apart
+      for (auto* forward : {&rn::forward_fused, &rn::forward_reference}) {
+        forward(x, gamma, y, r, o);
+        EXPECT_EQ(r.data_as<float>()[0], expected);
+      }
+    }
+  }
+}
+
+TEST(RmsNormForward, TorchOrderFusedEqualsReferenceBitwise) {
+  // Every case of the sweep in torch's order, with row counts that cross the fused
+  // path's blocks and chunks: the fused path (direct bf16/fp32 rows, fp32 scratch rows
+  // for fp16 and mixed dtypes) forms the reference's y and rstd bit for bit, and
+  // stays within the float64 oracle's bounds.
+  std::mt19937_64 rng(test_seed());
+  int checked = 0;
+  for (Case c : cases()) {
+    c.options.sum_order = rn::SumOrder::kTorchCpu;
+    SCOPED_TRACE(c.name());
+    const int64_t rows = c.shape.rows(), h = c.shape.hidden();
+    Buffer x(c.x_dtype, c.shape.dims), gamma(c.gamma_dtype, {h});
+    fill_rows(x, rows, h, rng);
+    fill_gamma(gamma, c.options.zero_centered_gamma, rng);
+    Buffer y_fused(c.y_dtype, c.shape.dims), y_ref(c.y_dtype, c.shape.dims);
+    Buffer r_fused(DType::kFloat32, {rows}), r_ref(DType::kFloat32, {rows});
+    rn::forward_fused(x, gamma, y_fused, r_fused, c.options);
+    rn::forward_reference(x, gamma, y_ref, r_ref, c.options);
+    EXPECT_TRUE(bitwise_equal(r_fused, r_ref));
+    EXPECT_TRUE(bitwise_equal(y_fused, y_ref));
+    const ForwardOracle oracle = forward_oracle(x, gamma, c.options);
+    std::vector<double> r_bound(oracle.rstd.size());
+    for (size_t i = 0; i < r_bound.size(); ++i) r_bound[i] = rstd_rel_bound(h) * oracle.rstd[i];
+    EXPECT_EQ(count_violations(to_doubles(r_fused), oracle.rstd, r_bound, "rstd torch order vs oracle"), 0);
+    ++checked;
+  }
+  EXPECT_GT(checked, 100);
+}
+
 TEST(RmsNormForward, InPlaceEqualsOutOfPlace) {
   std::mt19937_64 rng(test_seed());
   for (DType dt : float_dtypes()) {
