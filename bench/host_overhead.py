@@ -14,7 +14,9 @@ outside the timer. Cases:
 
 - RMSNorm, frozen weight, bf16: [128, 256] (the main job's shape) forward +
   backward and forward under no_grad; [8192, 2048] forward + backward (the
-  kernel's own speed). Peers: torch.nn.RMSNorm, F.rms_norm.
+  kernel's own speed). Peers: torch.nn.RMSNorm, F.rms_norm. And the module
+  the Megatron patch builds (exact_forward: torch's forward bit for bit,
+  leanstep's dx) at the host-bound job's [64, 64], forward + backward.
 - MoE permute + unpermute, forward + backward, bf16: 128 tokens, H 256, 8
   experts, top-2 (the main job) and 4096 tokens, H 2048, 16 experts, top-8.
   Peer: Megatron-Core's moe_utils.permute / unpermute.
@@ -208,6 +210,27 @@ def bench_rmsnorm(table, args):
                                "leanstep.torch.RMSNorm": no_grad(ours)}, rounds, calls)
             table.case("rmsnorm", f"forward no_grad {list(shape)} bf16", results,
                        "torch.nn.RMSNorm")
+    # The module the Megatron patch builds (exact_forward: torch's forward, bit for bit;
+    # leanstep's dx), at the host-bound job's shape: a frozen norm's forward + backward.
+    shape = (64, 64)
+    rounds, calls = (args.rounds, 50) if not args.quick else (3, 5)
+    x = torch.randn(*shape, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    dy = torch.randn(*shape, dtype=torch.bfloat16, device=DEVICE)
+    peer = torch.nn.RMSNorm(64, eps=1e-5, dtype=torch.bfloat16,
+                            device=DEVICE).requires_grad_(False)
+    ours = lt.RMSNorm.from_torch(peer, frozen_only=True, exact_forward=True)
+
+    def exact_fwd_bwd(module):
+        def run(_):
+            x.grad = None
+            module(x).backward(dy)
+        return run
+
+    results = measure({"torch.nn.RMSNorm": exact_fwd_bwd(peer),
+                       "leanstep.torch.RMSNorm exact_forward": exact_fwd_bwd(ours)},
+                      rounds, calls)
+    table.case("rmsnorm", f"exact_forward fwd+bwd {list(shape)} bf16", results,
+               "torch.nn.RMSNorm")
 
 
 # ---------------------------------------------------------------- MoE

@@ -147,6 +147,18 @@ def check_dtypes(tensors, where, names=None):
 _cpu_dtypes = None  # the torch dtypes leanstep names, once torch is imported
 
 
+def jit_tracing():
+    """Whether ``torch.jit.trace`` is recording. A trace records torch ops only:
+    a call into the C++ kernels would be missing from it, and the traced
+    module would return whatever its outputs held (``empty_like``). Calls made
+    while tracing run the torch-op backend."""
+    torch = _torch()
+    return torch is not None and torch._C._get_tracing_state() is not None
+
+
+TRACING_WHY = "torch.jit.trace records torch ops only: the torch-op code"
+
+
 def _all_plain_cpu(tensors):
     """Whether every array given is a plain torch CPU tensor (or Parameter)
     of a supported dtype: the common call, which needs none of the checks of
@@ -175,7 +187,7 @@ def choose(tensors, backend, where, names=None, *, triton=False, op=None, enable
     choice off Triton before any Triton check or self-check runs (the
     torch-op backend is the device path's reference). leanstep._registry
     passes both; this module knows nothing of the preset."""
-    if backend is None and _all_plain_cpu(tensors):
+    if backend is None and _all_plain_cpu(tensors) and not jit_tracing():
         return "cpu", "CPU tensors"  # what the checks below conclude, without their cost
     if backend is not None and backend not in BACKENDS:
         raise Error(f"{where}: argument 'backend' must be one of {', '.join(BACKENDS)} or None "
@@ -203,7 +215,7 @@ def choose(tensors, backend, where, names=None, *, triton=False, op=None, enable
         return "triton", ("forced, Triton interpreter" if on_cpu else "forced")
     if backend is None:
         if on_cpu:
-            return "cpu", "CPU tensors"
+            return ("torch", TRACING_WHY) if jit_tracing() else ("cpu", "CPU tensors")
         if not triton:
             return "torch", f"{device.type} tensors; the op has no Triton kernels"
         if not triton_automatic():
@@ -219,6 +231,10 @@ def choose(tensors, backend, where, names=None, *, triton=False, op=None, enable
     if backend == "cpu" and not on_cpu:
         raise Error(f"{where}: backend='cpu' needs CPU tensors (got {device}); the device "
                     f"backend is backend='torch'")
+    if backend == "cpu" and jit_tracing():
+        raise Error(f"{where}: backend='cpu' cannot run under torch.jit.trace, which records "
+                    f"torch ops only (the C++ kernels' outputs would be missing from the "
+                    f"trace); leave backend unset or use backend='torch'")
     return backend, "forced"
 
 

@@ -99,7 +99,7 @@ class _LeanRMSNorm(torch.autograd.Function):
         y = _output_like(x)
         rstd = _row_stats(x)
         _rmsnorm_forward_lean(x, weight, y, rstd, eps, zero_centered_gamma, cast_then_scale,
-                              ctx.needs_input_grad[1])
+                              ctx.needs_input_grad[1], False)
         ctx.save_for_backward(x, weight, rstd)
         ctx.zero_centered_gamma = zero_centered_gamma
         return y
@@ -153,18 +153,58 @@ def _lean_backward(dy, x, rstd, weight, zero_centered_gamma, weight_grad):
 
 class _LeanExactForwardRMSNorm(torch.autograd.Function):
     """:class:`_ExactForwardFrozenRMSNorm` with its decision made, on CPU
-    tensors: torch's forward, leanstep's dx-only backward, one native call."""
+    tensors: torch's forward (leanstep's kernel in torch's order where it
+    was checked to give torch's bits, :func:`_torch_order_kernel_matches`;
+    else torch's own op), leanstep's dx-only backward, one native call."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
-        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+    def forward(ctx, x, weight, eps, torch_order):
+        if torch_order:
+            y, rstd = _output_like(x), _row_stats(x)
+            _rmsnorm_forward_lean(x, weight, y, rstd, eps, False, False, False, True)
+        else:
+            y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        return _lean_backward(dy, x, rstd, weight, False, False)[0], None, None
+        return _lean_backward(dy, x, rstd, weight, False, False)[0], None, None, None
+
+
+# torch forms rms_norm on CPU tensors from separate ops (x in fp32, pow, mean, + eps,
+# rsqrt, two products), 18 us at [64, 64] where leanstep's kernel takes 2 us. The
+# kernel in torch's order (its sum's cascade: src/rmsnorm/torch_order.cpp) gives the
+# same bits where torch's sum runs the order it was written from; this checks that
+# on a probe once per dtype and width, and the exact forward uses the kernel only
+# where it holds. Rows wider than torch's grain size (32768 elements) keep torch's
+# op: a single such row may be summed in parts by several threads.
+_TORCH_GRAIN = 32768
+_torch_order_checks = {}
+
+
+def _torch_order_kernel_matches(dtype, width, eps):
+    key = (dtype, width, eps)
+    found = _torch_order_checks.get(key)
+    if found is None:
+        found = width < _TORCH_GRAIN and _torch_order_probe(dtype, width, eps)
+        _torch_order_checks[key] = found
+    return found
+
+
+def _torch_order_probe(dtype, width, eps):
+    """Whether leanstep's kernel in torch's order gives torch's y and rstd on
+    random rows of `width` (scales from 1e-3 to 1e3, a random weight)."""
+    gen = torch.Generator().manual_seed(width)
+    scales = torch.tensor([1.0, 1e-3, 1e3, 0.1, 7.0, 0.5]).unsqueeze(1)
+    x = (torch.randn(6, width, generator=gen) * scales).to(dtype)
+    weight = (torch.rand(width, generator=gen) + 0.5).to(dtype)
+    with torch.no_grad():
+        expected, expected_rstd = torch.ops.aten._fused_rms_norm(x, [width], weight, eps)
+        y, rstd = torch.empty_like(x), torch.empty(6, dtype=torch.float32)
+        _rmsnorm_forward_lean(x, weight, y, rstd, eps, False, False, False, True)
+    return torch.equal(y, expected) and torch.equal(rstd, expected_rstd.reshape(6))
 
 
 class _ExactForwardFrozenRMSNorm(torch.autograd.Function):
@@ -313,16 +353,24 @@ def _torch_rms_norm(x, weight, eps, zero_centered_gamma, rounding):
     return torch_rmsnorm.forward(x, weight, eps, zero_centered_gamma, rounding)[0]
 
 
-_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+def _saved_tensors_hooks_query():
+    """torch's query for the innermost saved-tensor hooks, or one that answers
+    None where this torch has no such query (or another signature)."""
+    query = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        query(True)
+    except TypeError:  # absent (None) or another signature in this torch
+        return lambda ignore_is_tracing: None
+    return query
+
+
+_top_saved_tensors_hooks = _saved_tensors_hooks_query()
 
 
 def _activation_offload_active():
     # Saved-tensor hooks (activation offload / checkpointing to host) would not
     # see what a custom Function saves the same way: delegate.
-    try:
-        return _top_saved_tensors_hooks(True) is not None
-    except TypeError:  # absent (None) or another signature in this torch
-        return False
+    return _top_saved_tensors_hooks(True) is not None
 
 
 def _autocast_enabled(device_type):
@@ -332,11 +380,14 @@ def _autocast_enabled(device_type):
         return False
 
 
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+_jit_tracing = torch._C._get_tracing_state
+
+
 def _compiling():
-    try:
-        return torch.compiler.is_compiling()
-    except AttributeError:
-        return False
+    """torch.compile, or torch.jit.trace recording (it records torch ops only:
+    the C++ kernels' outputs would be missing from the trace)."""
+    return _is_compiling() or _jit_tracing() is not None
 
 
 def default_eps(dtype):
@@ -423,6 +474,22 @@ class RMSNorm(torch.nn.RMSNorm):
             self.__dict__.pop("_lean", None)
         super().__setattr__(name, value)
 
+    def __call__(self, *args, **kwargs):
+        # A decided call skips nn.Module's call wrapper (0.7 us of 8.9 at the main job's
+        # shape, measured under no_grad, one thread). It does so only where that wrapper
+        # would call this class's forward directly: no hook and no jit trace (run checks
+        # them), no compiled call (Module.compile), no forward set on the instance (a
+        # timer's, accelerate's hooks). Any other call is nn.Module's own, looked up per
+        # call (torch.fx patches it while tracing).
+        lean = self.__dict__.get("_lean")
+        if (lean is not None and len(args) == 1 and not kwargs
+                and self._compiled_call_impl is None and "forward" not in self.__dict__
+                and (self.enabled is None or self.enabled())):
+            y = lean.run(self, args[0])
+            if y is not None:
+                return y
+        return torch.nn.Module.__call__(self, *args, **kwargs)
+
     def _delegate_forward(self, x):
         """The forward of a call leanstep does not take: torch.nn.RMSNorm's, or
         the ``delegate`` the module was given (a model's own RMSNorm forward,
@@ -452,13 +519,16 @@ class RMSNorm(torch.nn.RMSNorm):
         return None
 
     def _context(self, weight_requires_grad):
+        # Compiling, the other queries are not asked: dynamo cannot trace the
+        # saved-tensor hooks query (a graph break), and compiling decides alone.
+        compiled = _compiling()
         return dict(
             weight_requires_grad=weight_requires_grad,
             fp8_output=False,
             autocast=_autocast_enabled(self.weight.device.type),
-            activation_offload=_activation_offload_active(),
+            activation_offload=not compiled and _activation_offload_active(),
             debug_hooks=_hooks_active(self),
-            compiled_or_captured=_compiling(),
+            compiled_or_captured=compiled,
             user_subclass=type(self).forward is not RMSNorm.forward,
         )
 
@@ -518,6 +588,7 @@ class RMSNorm(torch.nn.RMSNorm):
         if (getattr(self, "exact_forward", False) and torch_convention
                 and decision["path"] == "frozen_fused" and x.dtype == self.weight.dtype):
             self.last_decision["forward"] = "torch_order"
+            self.last_decision["forward_kernel"] = "torch"  # decided calls: see _LeanPath
             # torch's own op under autograd where its backward is native (CUDA): the
             # same forward, and its dx-only backward without a Python Function.
             native = chosen == "torch" and _torch_fused_op(x, self.weight, False,
@@ -552,10 +623,13 @@ class RMSNorm(torch.nn.RMSNorm):
                                       self.rounding, context)
 
 
-_global_hooks = (torch.nn.modules.module._global_forward_hooks,
-                 torch.nn.modules.module._global_forward_pre_hooks,
-                 torch.nn.modules.module._global_backward_hooks,
-                 torch.nn.modules.module._global_backward_pre_hooks)
+# torch's global module hooks: dicts that registering and removing a hook change in place.
+_global_forward_hooks = torch.nn.modules.module._global_forward_hooks
+_global_forward_pre_hooks = torch.nn.modules.module._global_forward_pre_hooks
+_global_backward_hooks = torch.nn.modules.module._global_backward_hooks
+_global_backward_pre_hooks = torch.nn.modules.module._global_backward_pre_hooks
+_global_hooks = (_global_forward_hooks, _global_forward_pre_hooks, _global_backward_hooks,
+                 _global_backward_pre_hooks)
 
 
 def _hooks_active(module):
@@ -570,16 +644,15 @@ def _automatic_state():
     return _backend.triton_automatic(), _dispatch.op_enabled("rmsnorm.forward")
 
 
-_is_any_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
+# Whether any autocast is on: no device argument to parse (20-40 ns less a call than
+# asking for one device, measured), and off in the common call. Where this torch has
+# no such query, every call asks for its device.
+_any_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
 def _is_autocast_cpu():
-    """Whether CPU autocast is on. Asked first whether any autocast is on: that
-    takes no device argument to parse (20-40 ns less a call, measured), and is
-    off in the common call."""
-    if _is_any_autocast_enabled is not None and not _is_any_autocast_enabled():
-        return False
-    return torch.is_autocast_enabled("cpu")
+    """Whether CPU autocast is on."""
+    return _any_autocast_enabled() and torch.is_autocast_enabled("cpu")
 
 
 class _LeanPath:
@@ -597,7 +670,7 @@ class _LeanPath:
     __slots__ = ("x_type", "x_dtype", "x_device", "x_on_cpu", "width", "x_contiguous", "weight",
                  "w_dtype", "w_requires_grad", "eps", "zero_centered_gamma", "cast_then_scale",
                  "why", "decision", "exact", "frozen_weight_only", "backend", "kernels",
-                 "torch_fused", "device_type", "rounding", "automatic", "tally")
+                 "torch_fused", "device_type", "rounding", "automatic", "tally", "torch_order")
 
     def __init__(self, module, x, eps, why, decision, exact=False, backend="cpu", kernels=None):
         # The signature: the input's class, dtype, device, width and layout, the
@@ -624,60 +697,78 @@ class _LeanPath:
         self.tally = _backend.tally("rmsnorm.forward", backend, self.device_type, why)
         self.torch_fused = backend == "torch" and _torch_fused_op(
             x, w, module.zero_centered_gamma, module.rounding)
+        # exact on the CPU: torch's forward from leanstep's kernel where it gives torch's bits
+        self.torch_order = (exact and backend == "cpu"
+                            and _torch_order_kernel_matches(x.dtype, self.width, eps))
+        if exact and backend == "cpu":
+            self.decision["forward_kernel"] = "leanstep" if self.torch_order else "torch"
         # A device backend chosen automatically depends on LEANSTEP_TRITON and the
         # preset too: either changing sends the next call back to the full path.
         self.automatic = (_automatic_state() if backend != "cpu" and module.backend is None
                           else None)
 
-    def _matches(self, module, x):
-        """Whether this call has the decided signature. The module's options
+    def run(self, module, x):
+        """The output, or None when the full path must decide this call.
+
+        First whether this call has the decided signature (the module's options
         are not read here: setting any attribute of the module drops its
-        decision (:meth:`RMSNorm.__setattr__`). The weight is read from
-        ``_parameters`` (``module.weight`` goes through nn.Module's
-        ``__getattr__``, about 0.5 us), so a Parameter put there directly is
-        still seen."""
+        decision, :meth:`RMSNorm.__setattr__`; the weight is read from
+        ``_parameters``, as ``module.weight`` goes through nn.Module's
+        ``__getattr__``, about 0.5 us, so a Parameter put there directly is still
+        seen), then what can change from call to call. The checks are written
+        out here rather than called: a Python call costs 60-80 ns, and the
+        decided call is 8 us at the main job's shape (measured, one thread)."""
         w = module._parameters.get("weight")
-        return (type(x) is self.x_type and x.dtype is self.x_dtype
+        if not (type(x) is self.x_type and x.dtype is self.x_dtype
                 and (x.is_cpu if self.x_on_cpu else x.device == self.x_device)
                 and x.dim() != 0 and x.shape[-1] == self.width
                 and x.is_contiguous() is self.x_contiguous and w is self.weight
-                and w.dtype is self.w_dtype and w.requires_grad is self.w_requires_grad)
-
-    def run(self, module, x):
-        """The output, or None when the full path must decide this call."""
-        if (not self._matches(module, x) or x.is_neg() or _hooks_active(module)
-                or (_is_autocast_cpu() if self.device_type == "cpu"
-                    else _autocast_enabled(self.device_type))
-                or _activation_offload_active() or _compiling()):
+                and w.dtype is self.w_dtype and w.requires_grad is self.w_requires_grad) \
+                or x.is_neg():
+            return None
+        if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or _global_forward_hooks
+                or _global_forward_pre_hooks or _global_backward_hooks
+                or _global_backward_pre_hooks):
+            return None  # as _hooks_active
+        if (_any_autocast_enabled()
+                and (_is_autocast_cpu() if self.device_type == "cpu"
+                     else _autocast_enabled(self.device_type))):
+            return None
+        if (_is_compiling() or _jit_tracing() is not None  # compile, jit trace
+                or _top_saved_tensors_hooks(True) is not None):  # offload
             return None
         if self.automatic is not None and _automatic_state() != self.automatic:
             return None
-        weight = self.weight
         grad = torch.is_grad_enabled()
-        if self.frozen_weight_only and grad and weight.requires_grad:
+        if self.frozen_weight_only and grad and w.requires_grad:
             return None
-        if not x.is_contiguous():  # a strided layout (q/k views) the full path decided to copy
+        if not self.x_contiguous:  # a strided layout (q/k views) the full path decided to copy
             x = x.contiguous()
         next(self.tally)
         module.__dict__["last_decision"] = dict(self.decision)
+        if self.backend == "cpu":
+            if self.exact:
+                if grad and x.requires_grad:
+                    return _LeanExactForwardRMSNorm.apply(x, w, self.eps, self.torch_order)
+                if not self.torch_order:
+                    return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], w, self.eps)[0]
+                y = torch.empty_like(x) if x.nbytes < _POOLED_BYTES else _fresh_like(x)
+                _rmsnorm_forward_lean(x, w, y, None, self.eps, False, False, False, True)
+                return y
+            if grad and (x.requires_grad or w.requires_grad):
+                return _LeanRMSNorm.apply(x, w, self.eps, self.zero_centered_gamma,
+                                          self.cast_then_scale)
+            y = torch.empty_like(x) if x.nbytes < _POOLED_BYTES else _fresh_like(x)
+            _rmsnorm_forward_lean(x, w, y, None, self.eps, self.zero_centered_gamma,
+                                  self.cast_then_scale, False, False)  # no rstd: no grad
+            return y
         if self.torch_fused:
-            return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, self.eps)[0]
+            return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], w, self.eps)[0]
         if self.backend == "torch":
-            return _torch_rms_norm(x, weight, self.eps, self.zero_centered_gamma, self.rounding)
-        if self.backend == "triton":
-            return self.kernels.rms_norm(x, weight, self.eps, self.zero_centered_gamma,
-                                         self.rounding, _count_triton_backward)
-        if self.exact:
-            if grad and x.requires_grad:
-                return _LeanExactForwardRMSNorm.apply(x, weight, self.eps)
-            return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, self.eps)[0]
-        if grad and (x.requires_grad or weight.requires_grad):
-            return _LeanRMSNorm.apply(x, weight, self.eps, self.zero_centered_gamma,
-                                      self.cast_then_scale)
-        y = _output_like(x)
-        _rmsnorm_forward_lean(x, weight, y, None, self.eps, self.zero_centered_gamma,
-                              self.cast_then_scale, False)  # no rstd: nothing differentiates
-        return y
+            return _torch_rms_norm(x, w, self.eps, self.zero_centered_gamma, self.rounding)
+        return self.kernels.rms_norm(x, w, self.eps, self.zero_centered_gamma, self.rounding,
+                                     _count_triton_backward)  # triton
 
 
 # ---------------------------------------------------------------- MoE
@@ -701,7 +792,7 @@ _MOE_TALLY = {op: _backend.tally(op, "cpu", "cpu", _MOE_WHY)
 
 
 def _lean_moe_call(*tensors):
-    if _output_hooks or not _backend._all_plain_cpu(tensors):
+    if _output_hooks or not _backend._all_plain_cpu(tensors) or _jit_tracing() is not None:
         return False
     for t in tensors:
         if t is not None and (not t.is_contiguous() or t.is_neg()):

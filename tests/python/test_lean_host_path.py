@@ -5,6 +5,7 @@ calls (hooks, autocast, offload, the weight's requires_grad, a negated view,
 re-pointed grads) must be seen."""
 
 import struct
+import warnings
 
 import pytest
 import torch
@@ -667,6 +668,85 @@ def test_the_exact_forward_norms_decide_once_and_keep_torchs_bits(dtype, torch_g
     assert m.weight.grad is None
 
 
+# Widths past each branch of torch's order: scalars (< 8), a vector tail, groups of 4
+# vectors, one and several cascade runs (>= 512 and 1024), the second level's carry
+# (>= 8192), and the widest the kernel takes (32767).
+_TORCH_ORDER_WIDTHS = [1, 2, 5, 7, 8, 9, 31, 32, 33, 64, 255, 256, 511, 512, 1000, 1024, 1056,
+                       2048, 4097, 8192, 8200, 16384, 32767]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_the_kernel_in_torchs_order_gives_torchs_bits(dtype, torch_gen, rng):
+    # Against torch's own CPU rms_norm (aten._fused_rms_norm, which torch.nn.RMSNorm
+    # runs): y and rstd bit for bit, fresh seeds, random row counts (0 included) and
+    # scales from 1e-3 to 1e3; and within the float64 oracle's bound.
+    widths = _TORCH_ORDER_WIDTHS + [int(w) for w in rng.integers(1, 3000, size=4)]
+    for width in widths:
+        rows = int(rng.integers(0, 6))
+        scale = float(10.0 ** rng.uniform(-3, 3))
+        x = (torch.randn(rows, width, generator=torch_gen) * scale).to(dtype)
+        w = (torch.rand(width, generator=torch_gen) + 0.5).to(dtype)
+        eps = float(rng.choice([1e-6, 1e-5, 1e-3]))
+        expected, expected_rstd = torch.ops.aten._fused_rms_norm(x, [width], w, eps)
+        y, rstd = torch.empty_like(x), torch.empty(rows, dtype=torch.float32)
+        for impl in ("fused", "reference"):
+            _leanstep.rmsnorm_forward(x, w, y, rstd, eps, impl=impl, sum_order="torch_cpu")
+            assert torch.equal(y, expected), (width, rows, impl)
+            assert torch.equal(rstd, expected_rstd.reshape(rows)), (width, rows, impl)
+        # float64 oracle: the fp32 statistics (n squares summed: n ulps at most, plus the
+        # mean, eps, sqrt and division) and y's products, then one rounding to the dtype
+        bound = {torch.float32: 4e-6 + width * 1.2e-7, torch.float16: 2e-3,
+                 torch.bfloat16: 1.6e-2}[dtype]
+        if dtype is torch.float32:
+            bound = min(bound, 1e-3)
+        oracle = _oracle(x, w, eps)
+        assert torch.allclose(y.double(), oracle, rtol=bound, atol=bound * 1e-3 * scale)
+    assert _leanstep.rmsnorm_forward  # the names above are the extension's
+    with pytest.raises(ValueError, match="sum_order"):
+        _leanstep.rmsnorm_forward(x, w, y, rstd, 1e-6, sum_order="ordered")
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_decided_exact_norms_run_the_kernel_in_torchs_order(dtype, torch_gen, rng):
+    width = int(rng.choice(_TORCH_ORDER_WIDTHS[:-1]))
+    base, m = _megatron_style(width, dtype, torch_gen)
+    x = torch.randn(3, 2, width, generator=torch_gen).to(dtype)
+    m(x)  # decides
+    assert m.__dict__["_lean"].torch_order
+    for grad in (False, True):
+        fresh = torch.randn(3, 2, width, generator=torch_gen).to(dtype).requires_grad_(grad)
+        leanstep.reset_paths()
+        y = m(fresh)
+        assert m.last_decision["forward_kernel"] == "leanstep"
+        assert torch.equal(y, base(fresh.detach()))
+        if grad:
+            dy = torch.randn(y.shape, generator=torch_gen).to(dtype)
+            y.backward(dy)
+            reference = fresh.detach().clone().requires_grad_(True)
+            lt.RMSNorm.from_torch(base, frozen_only=True, exact_forward=True,
+                                  backend="torch")(reference).backward(dy)
+            assert torch.allclose(fresh.grad.float(), reference.grad.float(), rtol=2e-2,
+                                  atol=2e-2)
+
+
+def test_the_exact_forward_keeps_torchs_op_where_the_order_is_not_torchs(monkeypatch,
+                                                                           torch_gen):
+    # A torch whose sum runs another order: the probe sees other bits and the decided
+    # path keeps torch's op (simulated by a kernel that sums in leanstep's own order).
+    real = lt._rmsnorm_forward_lean
+    monkeypatch.setattr(lt, "_rmsnorm_forward_lean",
+                        lambda *args: real(*args[:8], False))
+    monkeypatch.setattr(lt, "_torch_order_checks", {})
+    base, m = _megatron_style(256, torch.bfloat16, torch_gen)
+    x = torch.randn(16, 256, generator=torch_gen).bfloat16()
+    m(x)
+    assert not m.__dict__["_lean"].torch_order
+    y = m(x)
+    assert m.last_decision["forward_kernel"] == "torch" and torch.equal(y, base(x))
+    wide = lt._torch_order_kernel_matches(torch.float32, 32768, 1e-5)
+    assert wide is False  # wider than torch's grain: torch's op, whatever the probe says
+
+
 def test_a_trainable_weight_leaves_the_decided_exact_path_to_torch(torch_gen):
     base, m = _megatron_style(16, torch.float32, torch_gen)
     x = torch.randn(5, 16, generator=torch_gen)
@@ -689,3 +769,137 @@ def test_a_trainable_weight_leaves_the_decided_exact_path_to_torch(torch_gen):
     assert "_lean" in m2.__dict__
     m2(x).sum().backward()
     assert m2.weight.grad is not None and m2.last_decision["path"] == "torch"
+
+
+# ---------------------------------------------------------------- torch.jit.trace
+
+
+def _trace(fn, args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # jit.trace is deprecated in this torch; it still runs
+        return torch.jit.trace(fn, args, check_trace=False)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("decided_first", [True, False])
+def test_a_traced_rmsnorm_records_torchs_forward(dtype, decided_first, torch_gen):
+    # A trace records torch ops only: the C++ kernels' output would be missing from it
+    # (it once recorded only the output's empty_like, and the traced module returned
+    # uninitialised memory). While tracing, the module runs torch's own forward.
+    m = _module(48, dtype)
+    x = torch.randn(5, 48, generator=torch_gen).to(dtype)
+    with torch.no_grad():
+        if decided_first:
+            m(x)
+            assert "_lean" in m.__dict__
+        traced = _trace(m, (x,))
+        for _ in range(3):
+            fresh = torch.randn(5, 48, generator=torch_gen).to(dtype)
+            expected = torch.nn.functional.rms_norm(fresh, [48], m.weight, 1e-6)
+            assert torch.equal(traced(fresh), expected)
+        # outside the trace the module is leanstep's again
+        m(fresh)
+        assert m.last_decision["path"] == "frozen_fused"
+
+
+def test_traced_functions_record_the_torch_op_code(torch_gen):
+    x = torch.randn(6, 40, generator=torch_gen)
+    w = torch.rand(40, generator=torch_gen) + 0.5
+    with torch.no_grad():
+        traced = _trace(lambda a, b: lt.rms_norm(a, b, 1e-6), (x, w))
+        fresh = torch.randn(6, 40, generator=torch_gen)
+        assert torch.equal(traced(fresh, w), lt.rms_norm(fresh, w, 1e-6, backend="torch"))
+        with pytest.raises(leanstep.Error, match="backend='cpu' cannot run under torch.jit.trace"):
+            _trace(lambda a, b: lt.rms_norm(a, b, 1e-6, backend="cpu"), (x, w))
+        logits = torch.randn(8, 4, generator=torch_gen)
+        with pytest.raises(leanstep.Error, match=r"moe\.route has only the C\+\+ kernels"):
+            _trace(lambda a: leanstep.moe_route(a, 2)[1], (logits,))
+        routing_map, probs = _routing(10, 4, 2, torch_gen, torch.float32)
+        tokens = torch.randn(10, 12, generator=torch_gen)
+
+        def round_trip(t, p):
+            permuted, _, idx = lt.permute(t, routing_map, p)
+            return lt.unpermute(permuted * 2, idx, t.shape, p, routing_map)
+
+        traced = _trace(round_trip, (tokens, probs))
+        fresh = torch.randn(10, 12, generator=torch_gen)
+        assert torch.allclose(traced(fresh, probs), round_trip(fresh, probs), rtol=1e-6,
+                              atol=1e-6)
+
+
+# ---------------------------------------------------------------- the module's own call
+
+
+def test_the_decided_call_leaves_compiled_calls_to_nn_module(torch_gen):
+    m = _module(32, torch.float32)
+    x = torch.randn(4, 32, generator=torch_gen)
+    with torch.no_grad():
+        m(x)
+        lean = m.__dict__["_lean"]
+        calls = []
+
+        def compiled(*args, **kwargs):
+            calls.append(args)
+            return torch.zeros(1)
+
+        m.__dict__["_compiled_call_impl"] = compiled  # set past __setattr__: decision kept
+        assert m.__dict__["_lean"] is lean
+        assert m(x).shape == (1,) and len(calls) == 1
+        del m.__dict__["_compiled_call_impl"]
+        m.compile(backend="eager")  # the real one: its calls are torch's forward
+        for _ in range(2):
+            fresh = torch.randn(4, 32, generator=torch_gen)
+            assert torch.equal(m(fresh), torch.nn.functional.rms_norm(fresh, [32], m.weight, 1e-6))
+            assert m.last_decision["path"] == "torch"
+
+
+def test_the_decided_call_runs_a_forward_set_on_the_instance(torch_gen):
+    # A timer or accelerate's hooks replace the instance's forward: every call runs it.
+    m = _module(16, torch.float32)
+    x = torch.randn(4, 16, generator=torch_gen)
+    with torch.no_grad():
+        m(x)
+        seen = []
+        original = m.forward
+
+        def timed(*args, **kwargs):
+            seen.append(1)
+            return original(*args, **kwargs)
+
+        m.forward = timed
+        for _ in range(3):
+            y = m(x)
+        assert len(seen) == 3 and "_lean" in m.__dict__  # decided again inside the wrapper
+        assert torch.equal(y, lt.rms_norm(x, m.weight, 1e-6))
+
+
+def test_the_decided_call_is_a_leaf_for_fx_and_takes_keywords(torch_gen):
+    norm = _module(24, torch.bfloat16)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = norm
+
+        def forward(self, x):
+            return self.norm(x) * 2
+
+    net = Net()
+    x = torch.randn(3, 24, generator=torch_gen).bfloat16()
+    with torch.no_grad():
+        net(x)
+        assert "_lean" in norm.__dict__
+        # fx takes the call through nn.Module's call, which it patches: with the norm a
+        # leaf, the graph calls it as a module (traced through, its checks refuse a Proxy
+        # loudly, TraceError, as before the module had a call of its own)
+        class LeafNorms(torch.fx.Tracer):
+            def is_leaf_module(self, module, name):
+                return isinstance(module, lt.RMSNorm) or super().is_leaf_module(module, name)
+
+        graph_module = torch.fx.GraphModule(net, LeafNorms().trace(net))
+        assert [n.op for n in graph_module.graph.nodes if n.target == "norm"] == ["call_module"]
+        with pytest.raises(torch.fx.proxy.TraceError):
+            torch.fx.symbolic_trace(net)
+        fresh = torch.randn(3, 24, generator=torch_gen).bfloat16()
+        assert torch.equal(graph_module(fresh), net(fresh))
+        assert torch.equal(norm(x=fresh), norm(fresh))  # a keyword call is nn.Module's
