@@ -747,6 +747,32 @@ def test_the_exact_forward_keeps_torchs_op_where_the_order_is_not_torchs(monkeyp
     assert wide is False  # wider than torch's grain: torch's op, whatever the probe says
 
 
+def test_no_probe_runs_under_a_dispatch_mode(monkeypatch, torch_gen):
+    # An audit's or op counter's mode would see the probe's ops: the decision made under
+    # one keeps torch's op, and the probe waits for a decision outside any mode.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(lt, "_torch_order_checks", {})
+    base, m = _megatron_style(48, torch.bfloat16, torch_gen)
+    x = torch.randn(4, 48, generator=torch_gen).bfloat16()
+    with Ops() as mode:
+        y = m(x)
+    assert not any("randn" in str(op) for op in mode.ops) and lt._torch_order_checks == {}
+    assert not m.__dict__["_lean"].torch_order and torch.equal(y, base(x))
+    m.__dict__.pop("_lean")
+    m(x)
+    assert m.__dict__["_lean"].torch_order and torch.equal(m(x), base(x))
+
+
 def test_a_trainable_weight_leaves_the_decided_exact_path_to_torch(torch_gen):
     base, m = _megatron_style(16, torch.float32, torch_gen)
     x = torch.randn(5, 16, generator=torch_gen)
