@@ -93,19 +93,30 @@ std::vector<Case> cases() {
   return out;
 }
 
+// A case's random inputs and the fused and reference forwards' outputs.
+struct ForwardRun {
+  Buffer x, gamma, y_fused, y_ref, r_fused, r_ref;
+};
+
+ForwardRun run_forward(const Case& c, std::mt19937_64& rng) {
+  const int64_t rows = c.shape.rows(), h = c.shape.hidden();
+  ForwardRun run{Buffer(c.x_dtype, c.shape.dims),  Buffer(c.gamma_dtype, {h}),
+                 Buffer(c.y_dtype, c.shape.dims),  Buffer(c.y_dtype, c.shape.dims),
+                 Buffer(DType::kFloat32, {rows}), Buffer(DType::kFloat32, {rows})};
+  fill_rows(run.x, rows, h, rng);
+  fill_gamma(run.gamma, c.options.zero_centered_gamma, rng);
+  rn::forward_fused(run.x, run.gamma, run.y_fused, run.r_fused, c.options);
+  rn::forward_reference(run.x, run.gamma, run.y_ref, run.r_ref, c.options);
+  return run;
+}
+
 TEST(RmsNormForward, FusedAndReferenceMatchFloat64OracleAndAnchors) {
   std::mt19937_64 rng(test_seed());
   int checked = 0;
   for (const Case& c : cases()) {
     SCOPED_TRACE(c.name());
-    const int64_t rows = c.shape.rows(), h = c.shape.hidden();
-    Buffer x(c.x_dtype, c.shape.dims), gamma(c.gamma_dtype, {h});
-    fill_rows(x, rows, h, rng);
-    fill_gamma(gamma, c.options.zero_centered_gamma, rng);
-    Buffer y_fused(c.y_dtype, c.shape.dims), y_ref(c.y_dtype, c.shape.dims);
-    Buffer r_fused(DType::kFloat32, {rows}), r_ref(DType::kFloat32, {rows});
-    rn::forward_fused(x, gamma, y_fused, r_fused, c.options);
-    rn::forward_reference(x, gamma, y_ref, r_ref, c.options);
+    const int64_t h = c.shape.hidden();
+    const auto [x, gamma, y_fused, y_ref, r_fused, r_ref] = run_forward(c, rng);
 
     const ForwardOracle oracle = forward_oracle(x, gamma, c.options);
     const std::vector<double> g = effective_gamma64(gamma, c.options.zero_centered_gamma);
@@ -332,14 +343,8 @@ TEST(RmsNormForward, TorchOrderFusedEqualsReferenceBitwise) {
   for (Case c : cases()) {
     c.options.sum_order = rn::SumOrder::kTorchCpu;
     SCOPED_TRACE(c.name());
-    const int64_t rows = c.shape.rows(), h = c.shape.hidden();
-    Buffer x(c.x_dtype, c.shape.dims), gamma(c.gamma_dtype, {h});
-    fill_rows(x, rows, h, rng);
-    fill_gamma(gamma, c.options.zero_centered_gamma, rng);
-    Buffer y_fused(c.y_dtype, c.shape.dims), y_ref(c.y_dtype, c.shape.dims);
-    Buffer r_fused(DType::kFloat32, {rows}), r_ref(DType::kFloat32, {rows});
-    rn::forward_fused(x, gamma, y_fused, r_fused, c.options);
-    rn::forward_reference(x, gamma, y_ref, r_ref, c.options);
+    const int64_t h = c.shape.hidden();
+    const auto [x, gamma, y_fused, y_ref, r_fused, r_ref] = run_forward(c, rng);
     EXPECT_TRUE(bitwise_equal(r_fused, r_ref));
     EXPECT_TRUE(bitwise_equal(y_fused, y_ref));
     const ForwardOracle oracle = forward_oracle(x, gamma, c.options);
