@@ -30,8 +30,11 @@ RoundingOrder rounding_from_name(const std::string& name);
 enum class SumOrder : uint8_t {
   kLanes,     // leanstep's: 4 accumulators of the CPU's vector width, x*x fused into the sum
   kTorchCpu,  // torch's composite rms_norm on the CPU: each square rounded to fp32, then
-              // its sum's cascade over 8-lane vectors (src/rmsnorm/torch_order.cpp); with
-              // the torch convention, y and rstd are torch's bit for bit
+              // its sum's cascade over 8-lane vectors (src/rmsnorm/torch_order.cpp). With
+              // the torch convention, y and rstd are torch's bit for bit where torch's sum
+              // runs that order: its x86 kernels (torch 2.15 checked), rows of fewer than
+              // 32768 elements or one thread (torch may split one such row between threads).
+              // leanstep.torch checks each width with a probe before it relies on it.
 };
 
 struct Options {

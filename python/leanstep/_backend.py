@@ -147,16 +147,33 @@ def check_dtypes(tensors, where, names=None):
 _cpu_dtypes = None  # the torch dtypes leanstep names, once torch is imported
 
 
-def jit_tracing():
-    """Whether ``torch.jit.trace`` is recording. A trace records torch ops only:
-    a call into the C++ kernels would be missing from it, and the traced
-    module would return whatever its outputs held (``empty_like``). Calls made
-    while tracing run the torch-op backend."""
+def torch_ops_only():
+    """Why a call must be made of torch ops, or None. ``torch.jit.trace`` and
+    ``make_fx`` record torch ops, a functorch transform (vmap, grad, jvp)
+    batches or differentiates them, forward-mode AD carries their tangents: a
+    call into the C++ kernels would be missing from the graph (which would
+    return what its outputs held), unbatched, or without its tangent. Such
+    calls run the torch-op backend."""
     torch = _torch()
-    return torch is not None and torch._C._get_tracing_state() is not None
+    if torch is None:
+        return None
+    C = torch._C
+    if C._get_tracing_state() is not None:
+        return "torch.jit.trace"
+    if C._are_functorch_transforms_active():
+        return "a functorch transform"
+    forward_ad = sys.modules.get("torch.autograd.forward_ad")
+    if forward_ad is not None and forward_ad._current_level >= 0:
+        return "forward-mode AD"
+    if C._len_torch_dispatch_stack():
+        proxy = sys.modules.get("torch.fx.experimental.proxy_tensor")
+        if proxy is not None and proxy.get_proxy_mode() is not None:
+            return "make_fx"
+    return None
 
 
-TRACING_WHY = "torch.jit.trace records torch ops only: the torch-op code"
+#: The end of a choice's reason when :func:`torch_ops_only` made it.
+ONLY_TORCH_OPS = "sees torch ops only: the torch-op code"
 
 
 def _all_plain_cpu(tensors):
@@ -187,11 +204,16 @@ def choose(tensors, backend, where, names=None, *, triton=False, op=None, enable
     choice off Triton before any Triton check or self-check runs (the
     torch-op backend is the device path's reference). leanstep._registry
     passes both; this module knows nothing of the preset."""
-    if backend is None and _all_plain_cpu(tensors) and not jit_tracing():
+    only_torch_ops = torch_ops_only()
+    if backend is None and only_torch_ops is None and _all_plain_cpu(tensors):
         return "cpu", "CPU tensors"  # what the checks below conclude, without their cost
     if backend is not None and backend not in BACKENDS:
         raise Error(f"{where}: argument 'backend' must be one of {', '.join(BACKENDS)} or None "
                     f"(got {backend!r})")
+    if backend in ("cpu", "triton") and only_torch_ops is not None:
+        raise Error(f"{where}: backend='{backend}' cannot run under {only_torch_ops}, which "
+                    f"{ONLY_TORCH_OPS.split(':')[0]} (the kernels' outputs would be missing or "
+                    f"wrong); leave backend unset or use backend='torch'")
     check_dtypes(tensors, where, names)
     torch = _torch()
     if torch is None:
@@ -214,8 +236,10 @@ def choose(tensors, backend, where, names=None, *, triton=False, op=None, enable
                         f"{device.type} tensors here: {why}")
         return "triton", ("forced, Triton interpreter" if on_cpu else "forced")
     if backend is None:
+        if only_torch_ops is not None:
+            return "torch", f"{only_torch_ops} {ONLY_TORCH_OPS}"
         if on_cpu:
-            return ("torch", TRACING_WHY) if jit_tracing() else ("cpu", "CPU tensors")
+            return "cpu", "CPU tensors"
         if not triton:
             return "torch", f"{device.type} tensors; the op has no Triton kernels"
         if not triton_automatic():
@@ -231,10 +255,6 @@ def choose(tensors, backend, where, names=None, *, triton=False, op=None, enable
     if backend == "cpu" and not on_cpu:
         raise Error(f"{where}: backend='cpu' needs CPU tensors (got {device}); the device "
                     f"backend is backend='torch'")
-    if backend == "cpu" and jit_tracing():
-        raise Error(f"{where}: backend='cpu' cannot run under torch.jit.trace, which records "
-                    f"torch ops only (the C++ kernels' outputs would be missing from the "
-                    f"trace); leave backend unset or use backend='torch'")
     return backend, "forced"
 
 

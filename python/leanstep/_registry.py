@@ -169,9 +169,9 @@ def choose(op, tensors, names, backend, where, *, args=None, reference=False):
     enabled = _dispatch.op_enabled(op)
     chosen, why = _backend.choose(tensors, backend, where, names, triton=spec.family, op=op,
                                   enabled=enabled)
-    if why == _backend.TRACING_WHY and chosen not in spec.implementations:
-        raise Error(f"{where}: {op} has only the C++ kernels, which torch.jit.trace cannot "
-                    f"record; call it outside the trace")
+    if chosen not in spec.implementations and why.endswith(_backend.ONLY_TORCH_OPS):
+        raise Error(f"{where}: {op} has only the C++ kernels, which "
+                    f"{why[:-len(_backend.ONLY_TORCH_OPS)].strip()} cannot see; call it outside")
     return settle(op, chosen, why, enabled=enabled, args=args, reference=reference)
 
 

@@ -181,7 +181,7 @@ class _LeanExactForwardRMSNorm(torch.autograd.Function):
 # where it holds. Rows wider than torch's grain size (32768 elements) keep torch's
 # op: a single such row may be summed in parts by several threads.
 _TORCH_GRAIN = 32768
-_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 _torch_order_checks = {}
 
 
@@ -189,9 +189,10 @@ def _torch_order_kernel_matches(dtype, width, eps):
     key = (dtype, width, eps)
     found = _torch_order_checks.get(key)
     if found is None:
-        if _dispatch_modes():
-            # A dispatch mode (an audit, an op counter, fake tensors) would see or change
-            # the probe's ops: torch's op for now, the probe on a later decision.
+        if _dispatch_modes() or _function_modes() or _functorch_active():
+            # A mode (an audit, an op counter, fake tensors, a default device) or a
+            # transform would see or change the probe's ops: torch's op for now, the probe
+            # on a later decision.
             return False
         found = width < _TORCH_GRAIN and _torch_order_probe(dtype, width, eps)
         _torch_order_checks[key] = found
@@ -200,16 +201,25 @@ def _torch_order_kernel_matches(dtype, width, eps):
 
 def _torch_order_probe(dtype, width, eps):
     """Whether leanstep's kernel in torch's order gives torch's y and rstd on
-    random rows of `width` (scales from 1e-3 to 1e3, a random weight)."""
-    gen = torch.Generator().manual_seed(width)
-    scales = torch.tensor([1.0, 1e-3, 1e3, 0.1, 7.0, 0.5]).unsqueeze(1)
-    x = (torch.randn(6, width, generator=gen) * scales).to(dtype)
-    weight = (torch.rand(width, generator=gen) + 0.5).to(dtype)
+    rows of `width`: random ones (scales from 1e-3 to 1e3, a random weight),
+    and ones whose sum tells orders apart (squares of 1 and one of 2^24: a 1
+    added to 2^24 is lost, 1s added together first are not; the 2^24 at
+    positions that fall in different lanes, streams and runs)."""
+    gen = torch.Generator(device="cpu").manual_seed(width)
+    scales = torch.tensor([1.0, 1e-3, 1e3, 0.1, 7.0, 0.5], device="cpu").unsqueeze(1)
+    random_rows = torch.randn(6, width, generator=gen, device="cpu") * scales
+    positions = sorted({0, 1, 3, 5, 8, 13, 37, 300, width // 2, width - 1} & set(range(width)))
+    ordered_rows = torch.ones(len(positions), width, device="cpu")
+    for row, at in enumerate(positions):
+        ordered_rows[row, at] = 4096.0  # its square is 2^24
+    x = torch.cat([random_rows, ordered_rows]).to(dtype)
+    weight = (torch.rand(width, generator=gen, device="cpu") + 0.5).to(dtype)
+    rows = x.shape[0]
     with torch.no_grad():
         expected, expected_rstd = torch.ops.aten._fused_rms_norm(x, [width], weight, eps)
-        y, rstd = torch.empty_like(x), torch.empty(6, dtype=torch.float32)
+        y, rstd = torch.empty_like(x), torch.empty(rows, dtype=torch.float32, device="cpu")
         _rmsnorm_forward_lean(x, weight, y, rstd, eps, False, False, False, True)
-    return torch.equal(y, expected) and torch.equal(rstd, expected_rstd.reshape(6))
+    return torch.equal(y, expected) and torch.equal(rstd, expected_rstd.reshape(rows))
 
 
 class _ExactForwardFrozenRMSNorm(torch.autograd.Function):
@@ -387,12 +397,27 @@ def _autocast_enabled(device_type):
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 _jit_tracing = torch._C._get_tracing_state
+_functorch_active = torch._C._are_functorch_transforms_active
+_function_modes = torch._C._len_torch_function_stack
+_forward_ad = torch.autograd.forward_ad
+
+
+def _torch_ops_only():
+    """Whether a decided call must go back to the full path because what runs
+    it sees or transforms torch ops only (_backend.torch_ops_only): jit
+    tracing, a functorch transform, forward-mode AD (each query a C call or an
+    attribute, about 20 ns), make_fx (asked only under a dispatch mode)."""
+    return (_jit_tracing() is not None or _functorch_active()
+            or _forward_ad._current_level >= 0
+            or (_dispatch_modes() and _backend.torch_ops_only() is not None))
 
 
 def _compiling():
-    """torch.compile, or torch.jit.trace recording (it records torch ops only:
-    the C++ kernels' outputs would be missing from the trace)."""
-    return _is_compiling() or _jit_tracing() is not None
+    """torch.compile, or what sees torch ops only (torch.jit.trace, make_fx, a
+    functorch transform, forward-mode AD: _backend.torch_ops_only): the C++
+    kernels' outputs would be missing from the graph, unbatched or without
+    their tangents."""
+    return _is_compiling() or _backend.torch_ops_only() is not None
 
 
 def default_eps(dtype):
@@ -484,11 +509,12 @@ class RMSNorm(torch.nn.RMSNorm):
         # shape, measured under no_grad, one thread). It does so only where that wrapper
         # would call this class's forward directly: no hook and no jit trace (run checks
         # them), no compiled call (Module.compile), no forward set on the instance (a
-        # timer's, accelerate's hooks). Any other call is nn.Module's own, looked up per
-        # call (torch.fx patches it while tracing).
+        # timer's, accelerate's hooks) or patched into the class. Any other call is
+        # nn.Module's own, looked up per call (torch.fx patches it while tracing).
         lean = self.__dict__.get("_lean")
         if (lean is not None and len(args) == 1 and not kwargs
                 and self._compiled_call_impl is None and "forward" not in self.__dict__
+                and type(self).forward is _OWN_FORWARD
                 and (self.enabled is None or self.enabled())):
             y = lean.run(self, args[0])
             if y is not None:
@@ -598,7 +624,8 @@ class RMSNorm(torch.nn.RMSNorm):
             # same forward, and its dx-only backward without a Python Function.
             native = chosen == "torch" and _torch_fused_op(x, self.weight, False,
                                                            "scale_then_cast")
-            if (chosen == "cpu" or native) and type(self).forward is RMSNorm.forward:
+            if ((chosen == "cpu" or native) and type(self).forward is RMSNorm.forward
+                    and not context["compiled_or_captured"]):
                 # Decided: later calls with the same signature take _LeanPath.run.
                 self.__dict__["_lean"] = _LeanPath(self, caller_x, float(eps), why,
                                                    self.last_decision, exact=True,
@@ -607,8 +634,9 @@ class RMSNorm(torch.nn.RMSNorm):
                 return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], self.weight,
                                                       float(eps))[0]
             return _ExactForwardFrozenRMSNorm.apply(x, self.weight, float(eps), chosen, context)
-        if type(self).forward is RMSNorm.forward:
-            # Decided: later calls with the same signature take _LeanPath.run.
+        if type(self).forward is RMSNorm.forward and not context["compiled_or_captured"]:
+            # Decided: later calls with the same signature take _LeanPath.run (not a
+            # call made while compiling or capturing: its choice is for that time only).
             self.__dict__["_lean"] = _LeanPath(self, caller_x, float(eps), why,
                                                self.last_decision, backend=chosen,
                                                kernels=module)
@@ -629,6 +657,8 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 # torch's global module hooks: dicts that registering and removing a hook change in place.
+_OWN_FORWARD = RMSNorm.forward  # a forward patched into the class later is not this one
+
 _global_forward_hooks = torch.nn.modules.module._global_forward_hooks
 _global_forward_pre_hooks = torch.nn.modules.module._global_forward_pre_hooks
 _global_backward_hooks = torch.nn.modules.module._global_backward_hooks
@@ -736,11 +766,10 @@ class _LeanPath:
                 or _global_forward_pre_hooks or _global_backward_hooks
                 or _global_backward_pre_hooks):
             return None  # as _hooks_active
-        if (_any_autocast_enabled()
-                and (_is_autocast_cpu() if self.device_type == "cpu"
-                     else _autocast_enabled(self.device_type))):
+        if (_is_autocast_cpu() if self.device_type == "cpu"
+                else _autocast_enabled(self.device_type)):  # "any" does not cover every device
             return None
-        if (_is_compiling() or _jit_tracing() is not None  # compile, jit trace
+        if (_is_compiling() or _torch_ops_only()
                 or _top_saved_tensors_hooks(True) is not None):  # offload
             return None
         if self.automatic is not None and _automatic_state() != self.automatic:
@@ -754,9 +783,12 @@ class _LeanPath:
         module.__dict__["last_decision"] = dict(self.decision)
         if self.backend == "cpu":
             if self.exact:
+                # Under a dispatch mode (an audit, an op counter) torch's op, which it sees,
+                # as before the kernel took torch's order.
+                torch_order = self.torch_order and not _dispatch_modes()
                 if grad and x.requires_grad:
-                    return _LeanExactForwardRMSNorm.apply(x, w, self.eps, self.torch_order)
-                if not self.torch_order:
+                    return _LeanExactForwardRMSNorm.apply(x, w, self.eps, torch_order)
+                if not torch_order:
                     return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], w, self.eps)[0]
                 y = torch.empty_like(x) if x.nbytes < _POOLED_BYTES else _fresh_like(x)
                 _rmsnorm_forward_lean(x, w, y, None, self.eps, False, False, False, True)
@@ -797,7 +829,7 @@ _MOE_TALLY = {op: _backend.tally(op, "cpu", "cpu", _MOE_WHY)
 
 
 def _lean_moe_call(*tensors):
-    if _output_hooks or not _backend._all_plain_cpu(tensors) or _jit_tracing() is not None:
+    if _output_hooks or not _backend._all_plain_cpu(tensors) or _torch_ops_only():
         return False
     for t in tensors:
         if t is not None and (not t.is_contiguous() or t.is_neg()):
