@@ -786,6 +786,8 @@ class _LeanPath:
                 # Under a dispatch mode (an audit, an op counter) torch's op, which it sees,
                 # as before the kernel took torch's order.
                 torch_order = self.torch_order and not _dispatch_modes()
+                if torch_order != self.torch_order:
+                    module.__dict__["last_decision"]["forward_kernel"] = "torch"
                 if grad and x.requires_grad:
                     return _LeanExactForwardRMSNorm.apply(x, w, self.eps, torch_order)
                 if not torch_order:

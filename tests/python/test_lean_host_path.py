@@ -788,7 +788,9 @@ def test_no_probe_runs_under_a_dispatch_mode(monkeypatch, torch_gen):
     with Ops() as mode:  # decided, under a mode: torch's op, which the mode sees
         y = m(x)
     assert torch.ops.aten.rsqrt.default in mode.ops and torch.equal(y, base(x))  # its ops
-    assert m.__dict__["_lean"] is decided
+    assert m.__dict__["_lean"] is decided and m.last_decision["forward_kernel"] == "torch"
+    m(x)
+    assert m.last_decision["forward_kernel"] == "leanstep"
 
 
 def test_a_trainable_weight_leaves_the_decided_exact_path_to_torch(torch_gen):
