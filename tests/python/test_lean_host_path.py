@@ -847,6 +847,37 @@ def test_decided_calls_under_make_fx_forward_ad_and_vmap_are_torchs(exact, torch
     assert "_lean" in m.__dict__ and m.last_decision["path"] == "frozen_fused"
 
 
+def test_functions_under_make_fx_and_forward_ad_run_the_torch_op_code(torch_gen):
+    import torch.autograd.forward_ad as forward_ad
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.randn(6, 40, generator=torch_gen)
+    w = torch.rand(40, generator=torch_gen) + 0.5
+    routing_map, probs = _routing(10, 4, 2, torch_gen, torch.float32)
+    tokens = torch.randn(10, 12, generator=torch_gen)
+    routed = int(routing_map.sum())  # given: make_fx refuses a count read from the map
+
+    def round_trip(t, p):
+        permuted, _, idx = lt.permute(t, routing_map, p, routed)
+        return lt.unpermute(permuted * 2, idx, t.shape, p, routing_map)
+
+    with torch.no_grad():
+        norm_graph = make_fx(lambda a, b: lt.rms_norm(a, b, 1e-6))(x, w)
+        moe_graph = make_fx(round_trip)(tokens, probs)
+    fresh = torch.randn(6, 40, generator=torch_gen)
+    assert torch.equal(norm_graph(fresh, w), lt.rms_norm(fresh, w, 1e-6, backend="torch"))
+    fresh_tokens = torch.randn(10, 12, generator=torch_gen)
+    assert torch.allclose(moe_graph(fresh_tokens, probs), round_trip(fresh_tokens, probs),
+                          rtol=1e-6, atol=1e-6)
+    tangent = torch.randn(6, 40, generator=torch_gen)
+    with forward_ad.dual_level():
+        ours = forward_ad.unpack_dual(lt.rms_norm(forward_ad.make_dual(x, tangent), w,
+                                                  1e-6)).tangent
+        torchs = forward_ad.unpack_dual(torch.nn.functional.rms_norm(
+            forward_ad.make_dual(x, tangent), [40], w, 1e-6)).tangent
+    assert ours is not None and torch.allclose(ours, torchs, rtol=1e-5, atol=1e-6)
+
+
 def test_the_exact_forwards_probe_runs_on_the_cpu_whatever_the_default_device(monkeypatch,
                                                                                torch_gen):
     monkeypatch.setattr(lt, "_torch_order_checks", {})
