@@ -656,9 +656,9 @@ class RMSNorm(torch.nn.RMSNorm):
                                       self.rounding, context)
 
 
-# torch's global module hooks: dicts that registering and removing a hook change in place.
 _OWN_FORWARD = RMSNorm.forward  # a forward patched into the class later is not this one
 
+# torch's global module hooks: dicts that registering and removing a hook change in place.
 _global_forward_hooks = torch.nn.modules.module._global_forward_hooks
 _global_forward_pre_hooks = torch.nn.modules.module._global_forward_pre_hooks
 _global_backward_hooks = torch.nn.modules.module._global_backward_hooks
