@@ -1,8 +1,8 @@
 """Timers around the phases of a training step, at their call sites: a
 call's forward is timed where it runs, its backward from the moment autograd
 hands the gradient of its outputs to the moment it has the gradient of its
-inputs (identity marks on those tensors, the mechanism of
-``register_full_backward_hook``). A nested call is counted once, by the
+inputs (hooks on the autograd nodes of its outputs and of views of its
+inputs, see :func:`_mark_inputs`). A nested call is counted once, by the
 outermost timer. The frameworks' timers (:mod:`leanstep.megatron.phases`,
 :mod:`leanstep.transformers.train`) say which call sites each phase has."""
 
@@ -18,31 +18,43 @@ RMSNORM_PHASE = "rmsnorm_s"
 _ABSENT = object()
 
 
-class _Mark(torch.autograd.Function):
-    """Identity on tensors; its backward calls `hook` when autograd reaches it."""
+def _mark_inputs(tensors, hook):
+    """`tensors` with each one that requires a gradient replaced by a view of
+    itself whose backward node calls `hook` once it has run: the call's
+    gradient of that input is then complete, every use inside the call summed.
+    None when none requires one or grad mode is off (nothing replaced).
 
-    @staticmethod
-    def forward(ctx, hook, *tensors):
-        ctx.hook = hook
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.hook()
-        return (None,) + grads
-
-
-def _mark(tensors, hook):
-    """`tensors` with the marks applied to those that require a gradient (the
-    others are returned as they are); None when none does."""
-    idx = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not idx or not torch.is_grad_enabled():
+    A view and a hook on its C++ node cost a few microseconds a call; an
+    identity autograd.Function (what ``register_full_backward_hook`` uses)
+    costs tens, forward and backward, and the timers would then weigh more
+    than a small call they time."""
+    if not torch.is_grad_enabled():
         return None
-    marked = _Mark.apply(hook, *[tensors[i] for i in idx])
-    out = list(tensors)
-    for i, m in zip(idx, marked):
-        out[i] = m
-    return out
+    marked = None
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            if marked is None:
+                marked = list(tensors)
+            view = t.view_as(t)
+            view.grad_fn.register_hook(hook)
+            marked[i] = view
+    return marked
+
+
+def _mark_outputs(tensors, hook):
+    """Calls `hook` when autograd is about to run a node that made one of
+    `tensors`: the gradient of that output is then complete, every use after
+    the call summed. A pre-hook on the node, not on the tensor: an in-place
+    op on the output after the call moves the tensor to another node but
+    leaves this one, the call's own, where it was. Outputs without a node (no
+    gradient, or a leaf the call passed through) have no backward to time."""
+    nodes = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            node = t.grad_fn
+            if node is not None and not any(node is n for n in nodes):
+                nodes.append(node)
+                node.register_prehook(hook)
 
 
 class _BackwardSpan:
@@ -52,11 +64,11 @@ class _BackwardSpan:
     def __init__(self, timers, phase):
         self.timers, self.phase, self.last = timers, phase, None
 
-    def output_ready(self):
+    def output_ready(self, *_grads):
         if self.last is None:
             self.last = time.perf_counter()
 
-    def input_ready(self):
+    def input_ready(self, *_grads):
         if self.last is None:  # no marked output reached (the outputs were unused)
             return
         now = time.perf_counter()
@@ -101,7 +113,8 @@ class PhaseTimers:
             span = _BackwardSpan(timers, phase) if autograd else None
             if span is not None:
                 keys = list(kwargs)
-                marked = _mark(list(args) + [kwargs[k] for k in keys], span.input_ready)
+                marked = _mark_inputs(list(args) + [kwargs[k] for k in keys],
+                                      span.input_ready)
                 if marked is not None:
                     args = tuple(marked[:len(args)])
                     kwargs = dict(zip(keys, marked[len(args):]))
@@ -112,14 +125,9 @@ class PhaseTimers:
             finally:
                 timers._add(phase, time.perf_counter() - start)
                 timers._depth[phase] -= 1
-            if span is not None:
-                single = isinstance(out, torch.Tensor)
-                outs = (out,) if single else out
-                if isinstance(outs, tuple):
-                    marked = _mark(outs, span.output_ready)
-                    if marked is not None:
-                        out = marked[0] if single else type(out)(marked) if type(out) is tuple \
-                            else out
+            if span is not None and torch.is_grad_enabled():
+                _mark_outputs((out,) if isinstance(out, torch.Tensor) else
+                              out if isinstance(out, tuple) else (), span.output_ready)
             return out
 
         timed.__wrapped__ = fn

@@ -152,3 +152,71 @@ def test_an_rmsnorm_backward_is_inside_its_span():
         assert forward < SLEEP
         y.sum().backward()
         assert timers.totals()[phases.RMSNORM_PHASE] - forward >= SLEEP
+
+
+class _SlowIdentity(torch.autograd.Function):
+    """An op outside the timed call whose backward sleeps: before or after the span."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(SLEEP)
+        return grad
+
+
+def test_the_span_holds_the_calls_backward_and_nothing_around_it(fake_megatron):
+    # Backward runs downstream first: the consumer's sleep comes before the call's outputs
+    # get their gradient, the producer's sleep after its inputs have theirs. Only the call's
+    # own backward sleep lies between.
+    x = torch.randn(4, 3, requires_grad=True)
+    with phases.PhaseTimers() as timers:
+        out, _, _ = fake_megatron.permute(_SlowIdentity.apply(x), "map")
+        forward = timers.totals()[phases.MOE_PHASE]
+        _SlowIdentity.apply(out).sum().backward()
+        backward = timers.totals()[phases.MOE_PHASE] - forward
+    assert SLEEP <= backward < 2 * SLEEP, backward
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
+def test_an_output_used_twice_and_changed_in_place_is_timed_once(fake_megatron):
+    # Its gradient is complete only after both uses; the in-place op after the call moves the
+    # tensor to another node, not the call's own.
+    x = torch.randn(4, 3, requires_grad=True)
+    with phases.PhaseTimers() as timers:
+        out, _, _ = fake_megatron.permute(x, "map")
+        other = out * 5.0
+        out.add_(1.0)
+        forward = timers.totals()[phases.MOE_PHASE]
+        (_SlowIdentity.apply(out).sum() + other.sum()).backward()
+        backward = timers.totals()[phases.MOE_PHASE] - forward
+    assert SLEEP <= backward < 2 * SLEEP, backward
+    assert torch.equal(x.grad, torch.full_like(x, 12.0))  # (1 + 5) * 2
+
+
+def _graph_nodes(tensor):
+    seen, stack = [], [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or any(node is n for n in seen):
+            continue
+        seen.append(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return seen
+
+
+def test_the_marks_add_no_python_node_to_the_graph():
+    # A Python autograd node costs tens of microseconds forward and backward, more than a
+    # small norm call it would time: the marks are a view and hooks on C++ nodes.
+    norm = torch.nn.RMSNorm(8)
+    x = torch.randn(3, 8, requires_grad=True)
+    untimed = [type(n).__name__ for n in _graph_nodes(norm(x))]
+    with phases.PhaseTimers(norm):
+        y = norm(x)
+    timed = [type(n).__name__ for n in _graph_nodes(y)]
+    assert "BackwardCFunction" not in untimed
+    assert all(not name.endswith("BackwardCFunction") and not name.startswith("_Mark")
+               for name in timed), timed
+    assert sorted(timed) == sorted(untimed + ["ViewBackward0"]), (timed, untimed)

@@ -22,8 +22,9 @@ preset) and a leanstep step are timed by the same clocks at the same places:
 
 Backward time is the time from the moment autograd hands the gradient of a
 call's outputs to the moment it has the gradient of the call's inputs, taken by
-identity marks on those tensors (the same mechanism as
-``register_full_backward_hook``). A nested call (``clip_grad_norm`` inside a
+hooks on the autograd nodes of its outputs and of views of its inputs (a few
+microseconds a call; identity autograd Functions, the mechanism of
+``register_full_backward_hook``, cost tens). A nested call (``clip_grad_norm`` inside a
 timed function, say) is counted once, by the outermost timer. The optimizer
 step as a whole is timed by the caller (:mod:`leanstep.megatron.train`).
 
