@@ -172,8 +172,10 @@ def torch_ops_only():
     return None
 
 
-#: The end of a choice's reason when :func:`torch_ops_only` made it.
-ONLY_TORCH_OPS = "sees torch ops only: the torch-op code"
+#: What a caller that :func:`torch_ops_only` names does, and the end of a
+#: choice's reason when it made the choice.
+SEES_TORCH_OPS_ONLY = "sees torch ops only"
+ONLY_TORCH_OPS = f"{SEES_TORCH_OPS_ONLY}: the torch-op code"
 
 
 def _all_plain_cpu(tensors):
@@ -212,7 +214,7 @@ def choose(tensors, backend, where, names=None, *, triton=False, op=None, enable
                     f"(got {backend!r})")
     if backend in ("cpu", "triton") and only_torch_ops is not None:
         raise Error(f"{where}: backend='{backend}' cannot run under {only_torch_ops}, which "
-                    f"{ONLY_TORCH_OPS.split(':')[0]} (the kernels' outputs would be missing or "
+                    f"{SEES_TORCH_OPS_ONLY} (the kernels' outputs would be missing or "
                     f"wrong); leave backend unset or use backend='torch'")
     check_dtypes(tensors, where, names)
     torch = _torch()

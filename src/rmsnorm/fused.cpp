@@ -58,8 +58,7 @@ void forward_fused(const Tensor& x, const Tensor& gamma, const Tensor& y, const 
   const bool torch_order = options.sum_order == SumOrder::kTorchCpu;
   if (direct && torch_order) {  // the rstd of a block of rows, then its scaling from cache
     const auto scale_rows = detail::scale_rows_kernel(x.dtype == DType::kBFloat16);
-    const int64_t row_bytes = h * static_cast<int64_t>(x.element_size());
-    const int64_t block = std::clamp<int64_t>(int64_t{16384} / std::max<int64_t>(row_bytes, 1), 1, 16);
+    const int64_t block = detail::l1_block_rows(h * static_cast<int64_t>(x.element_size()));
     leanstep::detail::parallel_chunks(s.rows, detail::rows_per_chunk(h), [&](int64_t, int64_t begin, int64_t end) {
       for (int64_t first = begin; first < end; first += block) {
         const int64_t count = std::min(block, end - first);

@@ -3,10 +3,20 @@
 // path (fused.cpp) drives them. Gamma rows and dgamma partials are fp32.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
 namespace leanstep::rmsnorm::detail {
+
+// Rows of a forward go in blocks that fit in L1 together (16 KiB, at most
+// kMaxBlockRows rows, at least one): the statistics of the whole block first,
+// then its scaling, from cache. One rule for every forward that blocks rows.
+constexpr int64_t kMaxBlockRows = 16;
+inline int64_t l1_block_rows(int64_t row_bytes) {
+  constexpr int64_t kBlockBytes = int64_t{16} << 10;
+  return std::clamp<int64_t>(kBlockBytes / std::max<int64_t>(row_bytes, 1), 1, kMaxBlockRows);
+}
 
 // The per-row scalars every path computes the same way (the direct and the
 // scratch paths give the same bits): the mean of a row's sum, and 1 / rms.

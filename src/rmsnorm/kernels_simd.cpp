@@ -26,8 +26,6 @@ namespace leanstep::rmsnorm::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 constexpr size_t kPad = HWY_MAX_BYTES / sizeof(float);  // room for one vector of any target
-// The bytes of a block of rows whose second pass runs from L1 (ForwardRowsT).
-constexpr size_t kBlockBytes = size_t{16} << 10;
 
 // ---- typed loads/stores: rows are read and written in their storage dtype
 // (fp32 or bf16) and widened in registers; all arithmetic is fp32.
@@ -203,13 +201,11 @@ template <DType kT>
 void ForwardRowsT(const void* x, const float* HWY_RESTRICT g, void* y, float* HWY_RESTRICT rstd, float eps,
                   int64_t rows, int64_t n) {
   const size_t row_bytes = static_cast<size_t>(n) * dtype_size(kT);
-  // Rows go in blocks of up to kBlockRows that fit in L1 together: the statistics of
-  // the whole block first (independent dependency chains, each ending in a reduction,
-  // a divide and a square root, that overlap), then the scaling, from cache.
-  constexpr int64_t kBlockRows = 16;
-  const int64_t block_rows =
-      std::clamp<int64_t>(static_cast<int64_t>(kBlockBytes / std::max<size_t>(row_bytes, 1)), 1, kBlockRows);
-  float r[kBlockRows];
+  // Rows go in L1 blocks (detail::l1_block_rows): the statistics of the whole block
+  // first (independent dependency chains, each ending in a reduction, a divide and a
+  // square root, that overlap), then the scaling, from cache.
+  const int64_t block_rows = detail::l1_block_rows(static_cast<int64_t>(row_bytes));
+  float r[detail::kMaxBlockRows];
   const bool hardware_bf16 = leanstep::simd::HWY_NAMESPACE::HardwareBF16Rounding();
   for (int64_t begin = 0; begin < rows; begin += block_rows) {
     const int64_t count = std::min(block_rows, rows - begin);

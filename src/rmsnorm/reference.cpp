@@ -33,11 +33,12 @@ void forward_reference(const Tensor& x, const Tensor& gamma, const Tensor& y, co
   const std::vector<float> g = detail::effective_gamma(gamma, options.zero_centered_gamma);
   const float eps = static_cast<float>(options.eps);
   const int64_t h = s.hidden;
+  const bool torch_order = options.sum_order == SumOrder::kTorchCpu;
+  std::vector<float> widened(torch_order ? static_cast<size_t>(h) : 0);  // one row, reused
   for (int64_t row = 0; row < s.rows; ++row) {
     const int64_t base = row * h;
     float r;
-    if (options.sum_order == SumOrder::kTorchCpu) {  // an order, not an accuracy: torch's
-      std::vector<float> widened(static_cast<size_t>(h));
+    if (torch_order) {  // an order, not an accuracy: torch's
       for (int64_t i = 0; i < h; ++i) widened[static_cast<size_t>(i)] = load(x.data, x.dtype, base + i);
       r = detail::inv_rms(detail::sum_squares_torch_order(widened.data(), DType::kFloat32, h), h, eps);
     } else {
