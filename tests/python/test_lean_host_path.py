@@ -742,6 +742,40 @@ def test_decided_exact_norms_run_the_kernel_in_torchs_order(dtype, torch_gen, rn
                                   atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_strided_q_k_views_are_decided_copied_and_keep_torchs_bits(dtype, torch_gen, rng):
+    # k out of a fused qkv projection (Megatron's split of [s, b, groups, (q + 2) * head]):
+    # a strided view. The exact module copies it and runs leanstep's kernels, decided
+    # once; its forward is torch's on the view bit for bit, and the gradient reaches the
+    # fused tensor's k columns only. dx against the float64 oracle: x * rstd * w per
+    # row, then the dx of a product (a few ulps of the dtype, whose unit is 2^-7 in bf16:
+    # 2e-2 relative, as the decided-path tests above).
+    head = int(rng.choice([1, 7, 16, 33, 64, 128]))
+    seq, groups, q_heads = int(rng.integers(1, 40)), int(rng.integers(1, 4)), 2
+    base, m = _megatron_style(head, dtype, torch_gen)
+    fused = torch.randn(seq, 1, groups, (q_heads + 2) * head, generator=torch_gen).to(dtype)
+    for call in range(3):
+        mixed = fused.clone().requires_grad_(True)
+        k = torch.split(mixed, [q_heads * head, head, head], dim=3)[1]
+        assert not k.is_contiguous()
+        y = m(k)
+        assert m.last_decision["path"] == "frozen_fused", m.last_decision
+        assert ("_lean" in m.__dict__) and not m.__dict__["_lean"].x_contiguous
+        assert torch.equal(y, base(k.detach()))
+        dy = torch.randn(y.shape, generator=torch_gen).to(dtype)
+        y.backward(dy)
+        x64, w64 = k.detach().double(), base.weight.detach().double()
+        rstd = (x64.square().mean(-1, keepdim=True) + 1e-5).rsqrt()
+        g = dy.double() * w64
+        oracle = rstd * (g - x64 * rstd.square() * (g * x64).mean(-1, keepdim=True))
+        grad_k = mixed.grad[..., q_heads * head:(q_heads + 1) * head]
+        assert torch.allclose(grad_k.double(), oracle, rtol=2e-2, atol=2e-2 * oracle.abs().max()
+                              .item() + 1e-6), call
+        rest = mixed.grad.clone()
+        rest[..., q_heads * head:(q_heads + 1) * head] = 0
+        assert not rest.any()
+
+
 def test_the_exact_forward_keeps_torchs_op_where_the_order_is_not_torchs(monkeypatch,
                                                                            torch_gen):
     # A torch whose sum runs another order: the probe sees other bits and the decided
