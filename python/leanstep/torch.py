@@ -37,6 +37,7 @@ if "moe" in _leanstep.areas:
     from ._leanstep import moe_permute_output_rows as _moe_output_rows
     from ._leanstep import moe_permute_probs_backward as _moe_permute_probs_backward_native
     from ._leanstep import moe_unpermute as _moe_unpermute_native
+    from ._leanstep import moe_sort_chunks_by_idxs as _moe_sort_chunks_native
     from ._leanstep import moe_unpermute_backward as _moe_unpermute_backward_native
     from ._moe import (
         moe_permute,
@@ -822,7 +823,7 @@ _MOE_WHY = "CPU tensors"
 # Each lean MoE call counted as the router counts it (one `next`, see _backend.tally).
 _MOE_TALLY = {op: _backend.tally(op, "cpu", "cpu", _MOE_WHY)
               for op in ("moe.permute", "moe.permute_backward", "moe.permute_probs_backward",
-                         "moe.unpermute", "moe.unpermute_backward")}
+                         "moe.unpermute", "moe.unpermute_backward", "moe.sort_chunks_by_idxs")}
 
 
 def _lean_moe_call(*tensors):
@@ -969,13 +970,26 @@ def unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_map=N
 
 
 class _SortChunksFunction(torch.autograd.Function):
+    """sort_chunks_by_idxs and its gradient (the inverse move), on every backend;
+    `lean` as for :class:`_PermuteFunction`: one native call each way, rows and
+    probs moved together."""
+
     @staticmethod
-    def forward(ctx, rows, split_sizes, sorted_idxs, probs, backend):
-        rows, split_sizes, sorted_idxs, probs = _contiguous(rows, split_sizes, sorted_idxs, probs)
-        out, out_probs = _sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs,
-                                              backend=backend)
+    def forward(ctx, rows, split_sizes, sorted_idxs, probs, backend, lean):
+        ctx.set_materialize_grads(False)
+        if lean:
+            out = _new_output(tuple(rows.shape), rows.dtype, rows)
+            out_probs = None if probs is None else _new_output(tuple(probs.shape), probs.dtype,
+                                                               probs)
+            next(_MOE_TALLY["moe.sort_chunks_by_idxs"])
+            _moe_sort_chunks_native(rows, split_sizes, sorted_idxs, out, probs, out_probs)
+        else:
+            rows, split_sizes, sorted_idxs, probs = _contiguous(rows, split_sizes, sorted_idxs,
+                                                                probs)
+            out, out_probs = _sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs,
+                                                  backend=backend)
         ctx.save_for_backward(split_sizes, sorted_idxs)
-        ctx.backend = backend
+        ctx.backend, ctx.lean = backend, lean
         return out, out_probs
 
     @staticmethod
@@ -986,16 +1000,31 @@ class _SortChunksFunction(torch.autograd.Function):
         out_sizes = split_sizes.index_select(0, sorted_idxs.long())
         inverse = torch.argsort(sorted_idxs)
         drows = dprobs = None
-        if dout is not None and ctx.needs_input_grad[0]:
+        want_rows = dout is not None and ctx.needs_input_grad[0]
+        want_probs = dout_probs is not None and ctx.needs_input_grad[3]
+        if ctx.lean and (want_rows or want_probs):
+            # One native call moves both (each alone where only one is wanted).
+            first = _dense(dout) if want_rows else _dense(dout_probs)
+            second = _dense(dout_probs) if want_rows and want_probs else None
+            dfirst = _new_output(tuple(first.shape), first.dtype, first)
+            dsecond = None if second is None else _new_output(tuple(second.shape),
+                                                              second.dtype, second)
+            next(_MOE_TALLY["moe.sort_chunks_by_idxs"])
+            _moe_sort_chunks_native(first, out_sizes, inverse, dfirst, second, dsecond)
+            drows, dprobs = (dfirst, dsecond) if want_rows else (None, dfirst)
+            return drows, None, None, dprobs, None, None
+        if want_rows:
             drows, _ = _sort_chunks_by_idxs(dout.contiguous(), out_sizes, inverse,
                                             backend=ctx.backend)
-        if dout_probs is not None and ctx.needs_input_grad[3]:
+        if want_probs:
             dprobs, _ = _sort_chunks_by_idxs(dout_probs.contiguous(), out_sizes, inverse,
                                              backend=ctx.backend)
-        return drows, None, None, dprobs, None
+        return drows, None, None, dprobs, None, None
 
 
 def sort_chunks_by_idxs(rows, split_sizes, sorted_idxs, probs=None, *, backend=None):
     """Autograd-aware :func:`leanstep.sort_chunks_by_idxs`. Returns
     ``(output, permuted_probs)``. ``backend`` as for :func:`leanstep.sort_chunks_by_idxs`."""
-    return _SortChunksFunction.apply(rows, split_sizes, sorted_idxs, probs, backend)
+    lean = (backend is None and _lean_moe_call(rows, split_sizes, sorted_idxs, probs)
+            and rows.dim() >= 1 and (probs is None or probs.dim() >= 1))
+    return _SortChunksFunction.apply(rows, split_sizes, sorted_idxs, probs, backend, lean)

@@ -593,6 +593,60 @@ def test_the_lean_moe_path_skips_gradients_nobody_asked_for(torch_gen):
     assert torch.allclose(tokens.grad, expected, rtol=1e-6, atol=1e-6)
 
 
+def _sort_chunks_round_trip(rows, split_sizes, order, probs, drows, dprobs, want, **kwargs):
+    rows = rows.detach().clone().requires_grad_(want[0])
+    probs = None if probs is None else probs.detach().clone().requires_grad_(want[1])
+    out, out_probs = lt.sort_chunks_by_idxs(rows, split_sizes, order, probs, **kwargs)
+    loss = (out.double() * drows.double()).sum() if want[0] else 0
+    if probs is not None and want[1]:
+        loss = loss + (out_probs.double() * dprobs.double()).sum()
+    if want[0] or (probs is not None and want[1]):
+        loss.backward()
+    return (out.detach(), None if out_probs is None else out_probs.detach(), rows.grad,
+            None if probs is None else probs.grad)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_the_lean_sort_chunks_path_gives_the_general_paths_bits(dtype, torch_gen, rng):
+    # Random chunk counts and sizes (empty chunks, no rows, rows past the chunks), with and
+    # without probs, either gradient alone or both, fresh seeds: the lean path (one native
+    # call each way, no router) against the general one (backend="cpu": the same kernel
+    # through the router), and both against a plain-Python move (exact: rows are copied).
+    for _ in range(6):
+        chunks, h = int(rng.integers(1, 17)), int(rng.integers(1, 40))
+        sizes = [int(v) for v in rng.integers(0, 6, size=chunks)]
+        tail = int(rng.integers(0, 3))
+        n = sum(sizes) + tail
+        split_sizes = torch.tensor(sizes, dtype=torch.int64 if rng.integers(0, 2) else torch.int32)
+        order = torch.from_numpy(rng.permutation(chunks)).to(split_sizes.dtype)
+        rows = torch.randn(n, h, generator=torch_gen).to(dtype)
+        probs = None if rng.integers(0, 2) else torch.rand(n, generator=torch_gen).to(dtype)
+        drows = torch.randn(n, h, generator=torch_gen).to(dtype)
+        dprobs = torch.randn(n, generator=torch_gen).to(dtype)
+        want = [(True, True), (True, False), (False, True)][int(rng.integers(0, 3))]
+        leanstep.reset_paths()
+        lean = _sort_chunks_round_trip(rows, split_sizes, order, probs, drows, dprobs, want)
+        calls = _backend.calls()["moe.sort_chunks_by_idxs"]
+        backward = want[0] or (probs is not None and want[1])
+        assert calls == {"cpu": {"cpu": 1 + backward}}, calls  # one native call each way
+        general = _sort_chunks_round_trip(rows, split_sizes, order, probs, drows, dprobs, want,
+                                          backend="cpu")
+        for a, b in zip(lean, general):
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+        starts = [sum(sizes[:c]) for c in range(chunks)]
+        moved = [i for c in order.tolist() for i in range(starts[c], starts[c] + sizes[c])]
+        moved += list(range(sum(sizes), n))  # rows past the chunks keep their place
+        assert torch.equal(lean[0], rows[moved])
+        if probs is not None:
+            assert torch.equal(lean[1], probs[moved])
+        back = torch.empty(n, dtype=torch.int64)
+        back[torch.tensor(moved, dtype=torch.int64)] = torch.arange(n)
+        if want[0]:
+            assert torch.equal(lean[2], drows[back])
+        if probs is not None and want[1]:
+            assert torch.equal(lean[3], dprobs[back])
+
+
 def test_strided_negated_or_forced_moe_calls_take_the_general_path(torch_gen):
     routing_map, probs = _routing(12, 4, 2, torch_gen, torch.float32)
     base = torch.randn(8, 12, generator=torch_gen)
