@@ -587,6 +587,66 @@ def test_sort_chunks_matches_megatron(patched, torch_gen):
     assert torch.equal(rows.grad, ref_rows.grad)
 
 
+@pytest.mark.parametrize("chunks", [1, 16, 70])
+def test_an_identity_chunk_order_moves_nothing_and_matches_megatron(patched, torch_gen, rng,
+                                                                     chunks):
+    # EP 1 and TP 1: the dispatcher's order by local expert is 0..C-1. The patch copies the
+    # rows and probs (a tensor of its own, as Megatron's concatenation is) instead of
+    # splitting and concatenating; values and gradients are Megatron's, bit for bit, in
+    # each dtype, with empty chunks, for int64 and int32 orders (past 64 chunks the order
+    # is compared as a tensor).
+    sizes = [int(v) for v in rng.integers(0, 5, size=chunks)]
+    n = sum(sizes)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for index_dtype in (torch.int64, torch.int32):
+            split_sizes = torch.tensor(sizes)
+            order = torch.arange(chunks, dtype=index_dtype)
+            rows = torch.randn(n, 5, generator=torch_gen).to(dtype).requires_grad_()
+            probs = torch.rand(n, generator=torch_gen).requires_grad_()
+            before = lm.report()["calls"].get("sort_chunks_by_idxs", {}).get(
+                "paths", {}).get("identity_order:cpu", 0)
+            out, out_probs = token_dispatcher.sort_chunks_by_idxs(rows, split_sizes, order,
+                                                                  probs=probs)
+            after = lm.report()["calls"]["sort_chunks_by_idxs"]["paths"]["identity_order:cpu"]
+            assert after == before + 1
+            if n:  # a tensor of its own (an empty one has no memory to share)
+                assert out.data_ptr() != rows.data_ptr()
+                assert out_probs.data_ptr() != probs.data_ptr()
+            ref_rows = rows.detach().clone().requires_grad_()
+            ref_probs_in = probs.detach().clone().requires_grad_()
+            ref, ref_probs = ORIGINALS["sort_chunks_by_idxs"](ref_rows, split_sizes, order,
+                                                              probs=ref_probs_in)
+            assert torch.equal(out, ref) and torch.equal(out_probs, ref_probs)
+            w = torch.randn(n, 5, generator=torch_gen).to(dtype)
+            v = torch.randn(n, generator=torch_gen)
+            ((out * w).sum() + (out_probs * v).sum()).backward()
+            ((ref * w).sum() + (ref_probs * v).sum()).backward()
+            assert torch.equal(rows.grad, ref_rows.grad)
+            assert torch.equal(probs.grad, ref_probs_in.grad)
+
+
+@pytest.mark.moe_cpu_default  # CPU calls go to Megatron's own function, errors included
+def test_a_chunk_order_that_moves_or_lives_on_a_device_is_not_taken_as_identity(patched,
+                                                                              torch_gen):
+    rows = torch.randn(12, 3, generator=torch_gen)
+    split_sizes = torch.tensor([4, 4, 4])
+    out, _ = token_dispatcher.sort_chunks_by_idxs(rows, split_sizes, torch.tensor([0, 2, 1]))
+    assert torch.equal(out, torch.cat([rows[:4], rows[8:], rows[4:8]]))
+    # Sizes that do not cover the rows exactly: Megatron's own error, as without leanstep.
+    with pytest.raises(RuntimeError, match="split_with_sizes"):
+        token_dispatcher.sort_chunks_by_idxs(rows, torch.tensor([4, 4, 3]), torch.arange(3))
+    with pytest.raises(RuntimeError, match="split_with_sizes"):
+        token_dispatcher.sort_chunks_by_idxs(rows, torch.tensor([8, 8, -4]), torch.arange(3))
+    calls = lm.report()["calls"]["sort_chunks_by_idxs"]
+    assert "identity_order:cpu" not in calls["paths"], calls
+    # Rows on a device: the order is never read on the host (the device kernel moves them).
+    with leanstep.audit() as a:
+        token_dispatcher.sort_chunks_by_idxs(rows.to("meta"), split_sizes.to("meta"),
+                                             torch.arange(3).to("meta"))
+    assert a.num_syncs == 0 and a.num_host_reads == 0, a.format_table()
+    assert "identity_order:meta" not in lm.report()["calls"]["sort_chunks_by_idxs"]["paths"]
+
+
 def test_pad_routing_map_matches_megatron_including_mutation(patched, torch_gen):
     routing_map, _ = routing(40, 6, 2, torch_gen)
     a, b = routing_map.clone(), routing_map.clone()
