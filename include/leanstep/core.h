@@ -5,6 +5,7 @@
 // such as a norm or a found_inf flag) and pass views.
 #pragma once
 
+#include <bit>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -178,7 +179,11 @@ void check_no_self_overlap(const Tensor& t, std::string_view where, std::string_
 // IEEE round-to-nearest-even conversions; NaN stays NaN, overflow becomes inf.
 float half_to_float(uint16_t bits);
 uint16_t float_to_half(float value);
-float bf16_to_float(uint16_t bits);
+// Exact (bf16 is fp32's upper half), and inline: per-element loops that widen bf16
+// (the reference kernels, the torch-order sum) vectorise instead of calling out.
+inline float bf16_to_float(uint16_t bits) {
+  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+}
 uint16_t float_to_bf16(float value);
 
 // Reads element i (flat index into contiguous memory) of `data` of `dtype` as double.

@@ -339,13 +339,6 @@ uint16_t float_to_half(float f) {
   return sign | static_cast<uint16_t>(r);
 }
 
-float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 uint16_t float_to_bf16(float f) {
   uint32_t x;
   std::memcpy(&x, &f, 4);
