@@ -994,15 +994,17 @@ class _SortChunksFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dout_probs):
+        want_rows = dout is not None and ctx.needs_input_grad[0]
+        want_probs = dout_probs is not None and ctx.needs_input_grad[3]
+        if not (want_rows or want_probs):
+            return None, None, None, None, None, None
         split_sizes, sorted_idxs = ctx.saved_tensors
         # The inverse move: the output's chunks have sizes split_sizes[sorted_idxs];
         # putting them back in order is sorting by the inverse permutation.
         out_sizes = split_sizes.index_select(0, sorted_idxs.long())
         inverse = torch.argsort(sorted_idxs)
         drows = dprobs = None
-        want_rows = dout is not None and ctx.needs_input_grad[0]
-        want_probs = dout_probs is not None and ctx.needs_input_grad[3]
-        if ctx.lean and (want_rows or want_probs):
+        if ctx.lean:
             # One native call moves both (each alone where only one is wanted).
             first = _dense(dout) if want_rows else _dense(dout_probs)
             second = _dense(dout_probs) if want_rows and want_probs else None
