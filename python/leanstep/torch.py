@@ -826,11 +826,22 @@ _MOE_TALLY = {op: _backend.tally(op, "cpu", "cpu", _MOE_WHY)
                          "moe.unpermute", "moe.unpermute_backward", "moe.sort_chunks_by_idxs")}
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+# The dtypes the C++ kernels take (_backend._all_plain_cpu's set, by name there).
+_CPU_DTYPES = frozenset(getattr(torch, name) for name in _backend.SUPPORTED_DTYPES)
+
+
 def _lean_moe_call(*tensors):
-    if _output_hooks or not _backend._all_plain_cpu(tensors) or _torch_ops_only():
+    """Whether these tensors (None for an absent one) take the lean path: plain
+    CPU tensors of a kernel dtype, contiguous and not negated views, with no
+    output hook and nothing that sees torch ops only. One pass, each check
+    written out: this runs on every permute, unpermute and sort_chunks call."""
+    if _output_hooks or _torch_ops_only():
         return False
     for t in tensors:
-        if t is not None and (not t.is_contiguous() or t.is_neg()):
+        if t is not None and not (type(t) in _PLAIN_TENSORS and t.is_cpu
+                                  and t.dtype in _CPU_DTYPES and t.is_contiguous()
+                                  and not t.is_neg()):
             return False
     return True
 
@@ -853,7 +864,11 @@ class _PermuteFunction(torch.autograd.Function):
         # zeros): its backward kernel is skipped.
         ctx.set_materialize_grads(False)
         if lean:
-            rows = _moe_output_rows(routing_map, num_out_tokens, drop_and_pad)
+            # A row count given without drop_and_pad is the count (the native call checks
+            # it against the map); any other is the native rule's (capacity, routed count).
+            rows = (num_out_tokens if num_out_tokens is not None and num_out_tokens >= 0
+                    and not drop_and_pad
+                    else _moe_output_rows(routing_map, num_out_tokens, drop_and_pad))
             permuted = _new_output((rows,) + tuple(tokens.shape[1:]), tokens.dtype, tokens)
             permuted_probs = None if probs is None else _new_output((rows,), probs.dtype, tokens)
             sorted_indices = torch.empty(rows, dtype=torch.int64)
@@ -920,7 +935,10 @@ class _UnpermuteFunction(torch.autograd.Function):
                 method, backend, lean):
         ctx.set_materialize_grads(False)
         if lean:
-            rows = _restore_rows(restore_shape, "unpermute", permuted.shape[1])
+            # Two host ints (T >= 0, H the rows' width): T; any other shape gets the
+            # rules' checks and errors.
+            rows = (restore_shape[0] if _plain_restore_rows(restore_shape, permuted)
+                    else _restore_rows(restore_shape, "unpermute", permuted.shape[1]))
             out = _new_output((rows, permuted.shape[1]), permuted.dtype, permuted)
             next(_MOE_TALLY["moe.unpermute"])
             _moe_unpermute_native(permuted, sorted_indices, out, probs, routing_map,
@@ -967,6 +985,11 @@ def unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_map=N
             and permuted.dim() == 2)
     return _UnpermuteFunction.apply(permuted, sorted_indices, tuple(restore_shape), probs,
                                     routing_map, drop_and_pad, method, backend, lean)
+
+
+def _plain_restore_rows(shape, permuted):
+    return (len(shape) == 2 and type(shape[0]) is int and type(shape[1]) is int
+            and shape[0] >= 0 and shape[1] == permuted.shape[1])
 
 
 class _SortChunksFunction(torch.autograd.Function):

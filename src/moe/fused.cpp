@@ -196,9 +196,13 @@ void unpermute_fused(const UnpermuteProblem& p) {
   // so its k source rows are read side by side, which keeps several memory streams going.
   const size_t elem = dtype_size(p.dtype);
   const bool stream = T * H * static_cast<int64_t>(elem) >= kStreamBytes;
+  // fp32 and bf16 rows: each block's sums in registers (reduce_scaled), written once.
+  const bool in_registers = p.dtype == DType::kFloat32 || p.dtype == DType::kBFloat16;
   parallel_chunks(T, kRowChunk, [&](int64_t, int64_t begin, int64_t end) {
     alignas(64) float acc[kBlock];
     alignas(64) char cast[kBlock * 4];
+    std::vector<const void*> sources;  // the block's source rows, one per slot
+    std::vector<float> probs;          // their probs
     for (int64_t t = begin; t < end; ++t) {
       const int64_t first = token_start[static_cast<size_t>(t)], last = token_start[static_cast<size_t>(t + 1)];
       char* out_row = p.out + static_cast<size_t>(t * H) * elem;
@@ -207,8 +211,28 @@ void unpermute_fused(const UnpermuteProblem& p) {
         for (int64_t s = last; s < token_start[static_cast<size_t>(t + 2)]; ++s)
           prefetch_span(p.permuted + static_cast<size_t>(token_slots[static_cast<size_t>(s)] * H) * elem,
                         static_cast<size_t>(std::min(kBlock, H)) * elem);
+      if (in_registers) {
+        sources.resize(static_cast<size_t>(last - first));
+        probs.resize(static_cast<size_t>(last - first));
+        for (int64_t s = first; s < last; ++s) {
+          const int64_t i = token_slots[static_cast<size_t>(s)];
+          probs[static_cast<size_t>(s - first)] = p.slot_probs ? p.slot_probs[i] : 1.0f;
+        }
+      }
       for (int64_t h0 = 0; h0 < H; h0 += kBlock) {
         const int64_t width = std::min(kBlock, H - h0);
+        char* out_block = out_row + static_cast<size_t>(h0) * elem;
+        if (in_registers) {
+          for (int64_t s = first; s < last; ++s) {
+            const int64_t i = token_slots[static_cast<size_t>(s)];
+            const char* src = p.permuted + static_cast<size_t>(i * H + h0) * elem;
+            prefetch_ahead(src, static_cast<size_t>(width) * elem, p.permuted + static_cast<size_t>((i + 1) * H) * elem);
+            sources[static_cast<size_t>(s - first)] = src;
+          }
+          reduce_scaled(sources.data(), probs.data(), last - first, p.dtype, stream ? cast : out_block, width);
+          if (stream) copy_row(out_block, cast, static_cast<size_t>(width) * elem, true);
+          continue;
+        }
         // +0, as the reference's accumulators: the first slot adds to it in registers.
         if (first == last) std::fill(acc, acc + width, 0.0f);
         for (int64_t s = first; s < last; ++s) {
@@ -218,7 +242,6 @@ void unpermute_fused(const UnpermuteProblem& p) {
           const float prob = p.slot_probs ? p.slot_probs[i] : 1.0f;
           accumulate_scaled(acc, src, p.dtype, prob, width, s == first);
         }
-        char* out_block = out_row + static_cast<size_t>(h0) * elem;
         if (stream) {
           convert_from_f32(acc, cast, p.dtype, width);
           copy_row(out_block, cast, static_cast<size_t>(width) * elem, true);

@@ -14,6 +14,13 @@ namespace leanstep::moe::detail {
 // taken as +0 (not read), as a zeroed accumulator.
 void accumulate_scaled(float* acc, const void* src, DType dtype, float prob, int64_t n, bool first);
 
+// out[0..n) = cast(+0 + float(srcs[0][h]) * probs[0] + float(srcs[1][h]) * probs[1] + ...),
+// added in slot order, each product rounded to fp32, then each sum (no fused
+// multiply-add), then cast once: accumulate_scaled over the slots and one cast, the
+// same bits, with the sums held in registers (no fp32 row stored and read back per
+// slot). fp32 or bf16 rows; probs null: every prob is 1; count 0: a row of +0.
+void reduce_scaled(const void* const* srcs, const float* probs, int64_t count, DType dtype, void* out, int64_t n);
+
 // The dot of unpermute's backward, sum of a[h] * b[h] in double for fp32 or bf16 rows,
 // in one order on every machine: kDotPartials partial sums, partial[j] over h = j
 // (mod kDotPartials) in increasing h, then a pairwise tree ((0+1)+(2+3))+... The SIMD

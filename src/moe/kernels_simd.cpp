@@ -54,6 +54,53 @@ void AccumulateScaled(float* HWY_RESTRICT acc, const void* src, int dtype, float
   else AccumulateScaledT<false>(acc, src, dtype, prob, n);
 }
 
+// See reduce_scaled (moe/kernels.h): per vector of columns, every slot's product
+// added to a register, in slot order, then one cast and store.
+template <DType kT>
+void ReduceScaledT(const void* const* HWY_RESTRICT srcs, const float* HWY_RESTRICT probs, int64_t count,
+                   void* HWY_RESTRICT out, int64_t n) {
+  using leanstep::simd::HWY_NAMESPACE::LoadAsF32;
+  using leanstep::simd::HWY_NAMESPACE::StoreFromF32;
+  const hn::ScalableTag<float> df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (kT == DType::kBFloat16) {  // two vectors per store (StoreBF16x2): the same bits
+    const bool hardware = leanstep::simd::HWY_NAMESPACE::HardwareBF16Rounding();
+    for (; i + 2 * N <= n; i += 2 * N) {
+      auto lo = hn::Zero(df), hi = hn::Zero(df);
+      for (int64_t s = 0; s < count; ++s) {
+        const auto p = hn::Set(df, probs ? probs[s] : 1.0f);
+        lo = hn::Add(lo, hn::Mul(LoadAsF32<kT>(df, srcs[s], i), p));
+        hi = hn::Add(hi, hn::Mul(LoadAsF32<kT>(df, srcs[s], i + N), p));
+      }
+      leanstep::simd::HWY_NAMESPACE::StoreBF16x2(df, lo, hi, static_cast<uint16_t*>(out) + i, hardware);
+    }
+  }
+#endif
+  for (; i + N <= n; i += N) {
+    auto acc = hn::Zero(df);
+    for (int64_t s = 0; s < count; ++s)
+      acc = hn::Add(acc, hn::Mul(LoadAsF32<kT>(df, srcs[s], i), hn::Set(df, probs ? probs[s] : 1.0f)));
+    StoreFromF32<kT>(df, acc, out, i);
+  }
+  for (; i < n; ++i) {  // the tail, element by element: the same operations
+    float acc = 0.0f;
+    for (int64_t s = 0; s < count; ++s) {
+      const float x = kT == DType::kFloat32 ? static_cast<const float*>(srcs[s])[i]
+                                            : bf16_to_float(static_cast<const uint16_t*>(srcs[s])[i]);
+      acc = acc + x * (probs ? probs[s] : 1.0f);
+    }
+    if constexpr (kT == DType::kFloat32) static_cast<float*>(out)[i] = acc;
+    else static_cast<uint16_t*>(out)[i] = float_to_bf16(acc);
+  }
+}
+
+void ReduceScaled(const void* const* srcs, const float* probs, int64_t count, int dtype, void* out, int64_t n) {
+  if (static_cast<DType>(dtype) == DType::kBFloat16) ReduceScaledT<DType::kBFloat16>(srcs, probs, count, out, n);
+  else ReduceScaledT<DType::kFloat32>(srcs, probs, count, out, n);
+}
+
 #if HWY_TARGET != HWY_SCALAR
 // Whether every product a[h] * b[h], h < end, whose fp32 exponent field is zero (a
 // zero, subnormal or underflowed product) has a zero factor, so is an exact +-0.
@@ -185,6 +232,12 @@ HWY_AFTER_NAMESPACE();
 namespace leanstep::moe::detail {
 HWY_EXPORT(AccumulateScaled);
 HWY_EXPORT(ScaleRowDot);
+HWY_EXPORT(ReduceScaled);
+
+void reduce_scaled(const void* const* srcs, const float* probs, int64_t count, DType dtype, void* out, int64_t n) {
+  if (n <= 0) return;
+  HWY_DYNAMIC_DISPATCH(ReduceScaled)(srcs, probs, count, static_cast<int>(dtype), out, n);
+}
 
 double scale_row_dot(const void* dy, const void* x, DType dtype, float prob, void* out, int64_t n, bool dot) {
   if (n <= 0) return 0.0;
