@@ -226,6 +226,17 @@ void check_permute_probs_backward_args(const Tensor& dpermuted_probs, const Tens
   check_permute_probs_backward_layout(dpermuted_probs, sorted_indices, routing_map, drop_and_pad, dprobs, false);
 }
 
+namespace {
+
+// Doubles stored as `out`'s dtype (fp32, fp16 or bf16), each rounded as store_from_double
+// rounds it (to float, then once to the dtype), in one bulk conversion.
+void store_doubles(const std::vector<double>& values, const Tensor& out) {
+  const std::vector<float> as_float(values.begin(), values.end());
+  convert_from_f32(as_float.data(), out.data, out.dtype, static_cast<int64_t>(as_float.size()));
+}
+
+}  // namespace
+
 void permute_probs_backward(const Tensor& dpermuted_probs, const Tensor& sorted_indices, const Tensor& routing_map,
                             bool drop_and_pad, const Tensor& dprobs) {
   constexpr const char* where = "permute_probs_backward";
@@ -240,7 +251,7 @@ void permute_probs_backward(const Tensor& dpermuted_probs, const Tensor& sorted_
     if (t >= 0) grad[static_cast<size_t>(t * E + experts[static_cast<size_t>(i)])] +=
         load_as_double(dpermuted_probs.data, dpermuted_probs.dtype, i);
   }
-  for (int64_t j = 0; j < T * E; ++j) store_from_double(dprobs.data, dprobs.dtype, j, grad[static_cast<size_t>(j)]);
+  store_doubles(grad, dprobs);
 }
 
 namespace {
@@ -269,13 +280,6 @@ IndexView check_unpermute_backward_layout(const Tensor& dout, const Tensor& perm
   }
   detail::check_no_overlap(dpermuted, {&dout, &permuted, &sorted_indices, probs, routing_map}, where, "dpermuted");
   return indices;
-}
-
-// Doubles stored as `out`'s dtype (fp32, fp16 or bf16), each rounded as store_from_double
-// rounds it (to float, then once to the dtype), in one bulk conversion.
-void store_doubles(const std::vector<double>& values, const Tensor& out) {
-  const std::vector<float> as_float(values.begin(), values.end());
-  convert_from_f32(as_float.data(), out.data, out.dtype, static_cast<int64_t>(as_float.size()));
 }
 
 }  // namespace
