@@ -3,6 +3,7 @@
 // written), then dispatch to the sort (reference) or fused implementation.
 #include <fmt/format.h>
 
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -228,9 +229,13 @@ void check_permute_probs_backward_args(const Tensor& dpermuted_probs, const Tens
 
 namespace {
 
-// Doubles stored as `out`'s dtype (fp32, fp16 or bf16), each rounded as store_from_double
-// rounds it (to float, then once to the dtype), in one bulk conversion.
+// Doubles stored as `out`'s dtype, each as store_from_double stores it: fp64 as they
+// are; fp32, fp16 or bf16 rounded to float, then once to the dtype, in one bulk conversion.
 void store_doubles(const std::vector<double>& values, const Tensor& out) {
+  if (out.dtype == DType::kFloat64) {
+    std::memcpy(out.data, values.data(), values.size() * sizeof(double));
+    return;
+  }
   const std::vector<float> as_float(values.begin(), values.end());
   convert_from_f32(as_float.data(), out.data, out.dtype, static_cast<int64_t>(as_float.size()));
 }
