@@ -178,19 +178,27 @@ SEES_TORCH_OPS_ONLY = "sees torch ops only"
 ONLY_TORCH_OPS = f"{SEES_TORCH_OPS_ONLY}: the torch-op code"
 
 
+def cpu_dtypes():
+    """The torch dtypes leanstep's CPU kernels take (SUPPORTED_DTYPES), as a set;
+    call only once torch is imported."""
+    global _cpu_dtypes
+    if _cpu_dtypes is None:
+        torch = _torch()
+        _cpu_dtypes = frozenset(getattr(torch, name) for name in SUPPORTED_DTYPES)
+    return _cpu_dtypes
+
+
 def _all_plain_cpu(tensors):
     """Whether every array given is a plain torch CPU tensor (or Parameter)
     of a supported dtype: the common call, which needs none of the checks of
     :func:`choose`."""
-    global _cpu_dtypes
     torch = _torch()
     if torch is None:
         return False
-    if _cpu_dtypes is None:
-        _cpu_dtypes = frozenset(getattr(torch, name) for name in SUPPORTED_DTYPES)
+    dtypes = cpu_dtypes()
     plain = (torch.Tensor, torch.nn.Parameter)
     for t in tensors:
-        if t is not None and (type(t) not in plain or not t.is_cpu or t.dtype not in _cpu_dtypes):
+        if t is not None and (type(t) not in plain or not t.is_cpu or t.dtype not in dtypes):
             return False
     return True
 

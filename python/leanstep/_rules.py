@@ -114,6 +114,10 @@ def host_count(value, where, name):
 def restore_rows(restore_shape, where, hidden):
     """T of unpermute's ``restore_shape`` (T, H): host integers, T >= 0, H the
     permuted rows' width."""
+    if (type(restore_shape) is tuple and len(restore_shape) == 2
+            and type(restore_shape[0]) is int and type(restore_shape[1]) is int
+            and restore_shape[0] >= 0 and restore_shape[1] == hidden):
+        return restore_shape[0]  # the common call (every lean unpermute's): no other check
     try:
         shape = tuple(restore_shape)
     except TypeError:

@@ -827,8 +827,7 @@ _MOE_TALLY = {op: _backend.tally(op, "cpu", "cpu", _MOE_WHY)
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-# The dtypes the C++ kernels take (_backend._all_plain_cpu's set, by name there).
-_CPU_DTYPES = frozenset(getattr(torch, name) for name in _backend.SUPPORTED_DTYPES)
+_CPU_DTYPES = _backend.cpu_dtypes()  # the torch dtypes the C++ kernels take
 
 
 def _lean_moe_call(*tensors):
@@ -935,10 +934,7 @@ class _UnpermuteFunction(torch.autograd.Function):
                 method, backend, lean):
         ctx.set_materialize_grads(False)
         if lean:
-            # Two host ints (T >= 0, H the rows' width): T; any other shape gets the
-            # rules' checks and errors.
-            rows = (restore_shape[0] if _plain_restore_rows(restore_shape, permuted)
-                    else _restore_rows(restore_shape, "unpermute", permuted.shape[1]))
+            rows = _restore_rows(restore_shape, "unpermute", permuted.shape[1])
             out = _new_output((rows, permuted.shape[1]), permuted.dtype, permuted)
             next(_MOE_TALLY["moe.unpermute"])
             _moe_unpermute_native(permuted, sorted_indices, out, probs, routing_map,
@@ -985,11 +981,6 @@ def unpermute(permuted, sorted_indices, restore_shape, probs=None, routing_map=N
             and permuted.dim() == 2)
     return _UnpermuteFunction.apply(permuted, sorted_indices, tuple(restore_shape), probs,
                                     routing_map, drop_and_pad, method, backend, lean)
-
-
-def _plain_restore_rows(shape, permuted):
-    return (len(shape) == 2 and type(shape[0]) is int and type(shape[1]) is int
-            and shape[0] >= 0 and shape[1] == permuted.shape[1])
 
 
 class _SortChunksFunction(torch.autograd.Function):

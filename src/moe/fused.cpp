@@ -202,7 +202,7 @@ void unpermute_fused(const UnpermuteProblem& p) {
     alignas(64) float acc[kBlock];
     alignas(64) char cast[kBlock * 4];
     std::vector<const void*> sources;  // the block's source rows, one per slot
-    std::vector<float> probs;          // their probs
+    std::vector<float> probs;          // their probs (1 without slot probs)
     for (int64_t t = begin; t < end; ++t) {
       const int64_t first = token_start[static_cast<size_t>(t)], last = token_start[static_cast<size_t>(t + 1)];
       char* out_row = p.out + static_cast<size_t>(t * H) * elem;

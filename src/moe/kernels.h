@@ -18,7 +18,7 @@ void accumulate_scaled(float* acc, const void* src, DType dtype, float prob, int
 // added in slot order, each product rounded to fp32, then each sum (no fused
 // multiply-add), then cast once: accumulate_scaled over the slots and one cast, the
 // same bits, with the sums held in registers (no fp32 row stored and read back per
-// slot). fp32 or bf16 rows; probs null: every prob is 1; count 0: a row of +0.
+// slot). fp32 or bf16 rows; count 0: a row of +0.
 void reduce_scaled(const void* const* srcs, const float* probs, int64_t count, DType dtype, void* out, int64_t n);
 
 // The dot of unpermute's backward, sum of a[h] * b[h] in double for fp32 or bf16 rows,

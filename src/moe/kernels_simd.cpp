@@ -70,7 +70,7 @@ void ReduceScaledT(const void* const* HWY_RESTRICT srcs, const float* HWY_RESTRI
     for (; i + 2 * N <= n; i += 2 * N) {
       auto lo = hn::Zero(df), hi = hn::Zero(df);
       for (int64_t s = 0; s < count; ++s) {
-        const auto p = hn::Set(df, probs ? probs[s] : 1.0f);
+        const auto p = hn::Set(df, probs[s]);
         lo = hn::Add(lo, hn::Mul(LoadAsF32<kT>(df, srcs[s], i), p));
         hi = hn::Add(hi, hn::Mul(LoadAsF32<kT>(df, srcs[s], i + N), p));
       }
@@ -81,7 +81,7 @@ void ReduceScaledT(const void* const* HWY_RESTRICT srcs, const float* HWY_RESTRI
   for (; i + N <= n; i += N) {
     auto acc = hn::Zero(df);
     for (int64_t s = 0; s < count; ++s)
-      acc = hn::Add(acc, hn::Mul(LoadAsF32<kT>(df, srcs[s], i), hn::Set(df, probs ? probs[s] : 1.0f)));
+      acc = hn::Add(acc, hn::Mul(LoadAsF32<kT>(df, srcs[s], i), hn::Set(df, probs[s])));
     StoreFromF32<kT>(df, acc, out, i);
   }
   for (; i < n; ++i) {  // the tail, element by element: the same operations
@@ -89,7 +89,7 @@ void ReduceScaledT(const void* const* HWY_RESTRICT srcs, const float* HWY_RESTRI
     for (int64_t s = 0; s < count; ++s) {
       const float x = kT == DType::kFloat32 ? static_cast<const float*>(srcs[s])[i]
                                             : bf16_to_float(static_cast<const uint16_t*>(srcs[s])[i]);
-      acc = acc + x * (probs ? probs[s] : 1.0f);
+      acc = acc + x * probs[s];
     }
     if constexpr (kT == DType::kFloat32) static_cast<float*>(out)[i] = acc;
     else static_cast<uint16_t*>(out)[i] = float_to_bf16(acc);
