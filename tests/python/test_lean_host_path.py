@@ -256,6 +256,40 @@ def test_a_negated_view_is_not_read_as_its_memory():
     assert torch.equal(m(neg.resolve_neg()), m(-x))
 
 
+def test_the_negative_bit_is_read_whatever_the_tensor_class_and_after_is_neg_changes(
+        monkeypatch):
+    # The extension calls is_neg's C function straight, found once per type and kept
+    # while the type's version tag stands: a Parameter (another type, the same C
+    # function) is read too, and replacing Tensor.is_neg (which changes that tag) is
+    # seen on the next call.
+    x = torch.randn(4, 8)
+    w = torch.nn.Parameter(torch.ones(8), requires_grad=False)
+    y = torch.empty_like(x)
+    _leanstep.rmsnorm_forward_lean(x, w, y, None, 1e-6, False, False, False)
+    with pytest.raises(TypeError):
+        _leanstep.rmsnorm_forward_lean(torch._neg_view(x), w, y, None, 1e-6, False, False,
+                                       False)
+    asked = []
+    real_is_neg = torch.Tensor.is_neg
+
+    def counted_is_neg(t):
+        asked.append(type(t))
+        return real_is_neg(t)
+
+    monkeypatch.setattr(torch.Tensor, "is_neg", counted_is_neg)
+    _leanstep.rmsnorm_forward_lean(x, w, y, None, 1e-6, False, False, False)
+    assert asked.count(torch.Tensor) == 2 and asked.count(torch.nn.Parameter) == 1
+    with pytest.raises(TypeError):
+        _leanstep.rmsnorm_forward_lean(torch._neg_view(x), w, y, None, 1e-6, False, False,
+                                       False)
+    monkeypatch.undo()
+    asked.clear()
+    _leanstep.rmsnorm_forward_lean(x, w, y, None, 1e-6, False, False, False)
+    assert asked == []
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(y, expected, rtol=2**-20, atol=2**-20)
+
+
 def test_the_lean_entry_points_check_their_arguments():
     x = torch.randn(4, 8)
     w = torch.ones(8)
