@@ -233,12 +233,81 @@ void ScaleRowsT(const void* x, const float* HWY_RESTRICT g, void* y, const float
   }
 }
 
+// Rows of up to this many elements keep the dot pass's g*dy and x*r in fp32 scratch
+// rows (2 x 8 KiB, in L1 with the row itself): the dx pass then reads them instead
+// of widening dy and x again and redoing both products. The values are the ones
+// GdyXhatDotT and DxRowT compute (the same operations), so dx has the same bits.
+constexpr int64_t kCachedRowElements = 2048;
+
+// One row's dot (and dgamma partial) and dx, g*dy and x*r computed once. n: a
+// multiple of 2 * Lanes (no tail; see BackwardRowsT).
+template <DType kT, bool kAccumulate>
+HWY_INLINE void CachedBackwardRowT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r,
+                                   float* HWY_RESTRICT partial, void* dx, int64_t n, float* HWY_RESTRICT gdy_row,
+                                   float* HWY_RESTRICT xhat_row, [[maybe_unused]] bool hardware_bf16) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const auto vr = hn::Set(d, r);
+  auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
+  // GdyXhatDotT's term for elements k.., its products kept.
+  auto at = [&](int64_t k) {
+    const auto vdy = LoadF32<kT>(d, dy, k);
+    const auto xhat = hn::Mul(LoadF32<kT>(d, x, k), vr);
+    const auto gdy = hn::Mul(hn::LoadU(d, g + k), vdy);
+    if constexpr (kAccumulate) hn::StoreU(hn::MulAdd(vdy, xhat, hn::LoadU(d, partial + k)), d, partial + k);
+    hn::Store(gdy, d, gdy_row + k);
+    hn::Store(xhat, d, xhat_row + k);
+    return hn::Mul(gdy, xhat);
+  };
+  // The accumulators in GdyXhatDotT's order: 4 vectors a step, then single vectors into a0.
+  int64_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N) {
+    a0 = hn::Add(a0, at(i));
+    a1 = hn::Add(a1, at(i + N));
+    a2 = hn::Add(a2, at(i + 2 * N));
+    a3 = hn::Add(a3, at(i + 3 * N));
+  }
+  for (; i + N <= n; i += N) a0 = hn::Add(a0, at(i));
+  const float dot = hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
+  const auto vm = hn::Set(d, detail::row_mean(dot, n));
+  // DxRowT's step on the kept products.
+  auto dx_at = [&](int64_t k) {
+    return hn::Mul(vr, hn::NegMulAdd(hn::Load(d, xhat_row + k), vm, hn::Load(d, gdy_row + k)));
+  };
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (kT == DType::kBFloat16) {
+    for (int64_t k = 0; k < n; k += 2 * N)
+      leanstep::simd::HWY_NAMESPACE::StoreBF16x2(d, dx_at(k), dx_at(k + N), static_cast<uint16_t*>(dx) + k,
+                                                 hardware_bf16);
+    return;
+  }
+#endif
+  for (int64_t k = 0; k < n; k += N) StoreF32<kT>(d, dx_at(k), dx, k);
+}
+
 // dx of whole chunks of rows; `partial`: the dgamma partial of the chunk (trainable), or null.
 template <DType kT>
 void BackwardRowsT(const float* HWY_RESTRICT g, const void* dy, const void* x, const float* HWY_RESTRICT rstd,
                    float* HWY_RESTRICT partial, void* dx, int64_t rows, int64_t n) {
   const size_t row_bytes = static_cast<size_t>(n) * dtype_size(kT);
   const bool hardware_bf16 = leanstep::simd::HWY_NAMESPACE::HardwareBF16Rounding();
+  const hn::ScalableTag<float> d;
+  const int64_t step = 2 * static_cast<int64_t>(hn::Lanes(d));
+  if (n <= kCachedRowElements && n % step == 0) {
+    HWY_ALIGN float gdy_row[kCachedRowElements];
+    HWY_ALIGN float xhat_row[kCachedRowElements];
+    for (int64_t row = 0; row < rows; ++row) {
+      const size_t at = static_cast<size_t>(row) * row_bytes;
+      const void* dyr = static_cast<const char*>(dy) + at;
+      const void* xr = static_cast<const char*>(x) + at;
+      void* dxr = static_cast<char*>(dx) + at;
+      if (partial)
+        CachedBackwardRowT<kT, true>(g, dyr, xr, rstd[row], partial, dxr, n, gdy_row, xhat_row, hardware_bf16);
+      else
+        CachedBackwardRowT<kT, false>(g, dyr, xr, rstd[row], nullptr, dxr, n, gdy_row, xhat_row, hardware_bf16);
+    }
+    return;
+  }
   for (int64_t row = 0; row < rows; ++row) {
     const size_t at = static_cast<size_t>(row) * row_bytes;
     const void* dyr = static_cast<const char*>(dy) + at;

@@ -254,9 +254,12 @@ TEST(RmsNormBackward, ZeroCenteredGammaGivesTheSameGradientsAsPlainOnePlusGamma)
 TEST(RmsNormFused, DirectBf16RowsMatchTheWidenedScratchPathBitwise) {
   // bf16 rows are read and written in place by typed kernels; mixed-dtype calls
   // widen rows into fp32 scratch. Both run the same fp32 arithmetic, so the bf16
-  // outputs must equal the fp32 outputs rounded once to bf16.
+  // outputs must equal the fp32 outputs rounded once to bf16. Widths of up to 2048
+  // in whole vector pairs keep g*dy and x*r of the dot pass for the dx pass (128,
+  // 2048), the others compute them again (1, 7, 229, 4097): the same bits either way,
+  // for a trainable and a frozen weight.
   std::mt19937_64 rng(test_seed());
-  for (int64_t h : {1, 7, 128, 229, 4097}) {
+  for (int64_t h : {1, 7, 128, 229, 2048, 4097}) {
     SCOPED_TRACE(h);
     const int64_t rows = 13;
     Buffer x(DType::kBFloat16, {rows, h}), gamma(DType::kBFloat16, {h}), dy(DType::kBFloat16, {rows, h});
@@ -281,6 +284,11 @@ TEST(RmsNormFused, DirectBf16RowsMatchTheWidenedScratchPathBitwise) {
     convert_from_f32(dx32.data_as<float>(), dx32_rounded.data(), DType::kBFloat16, rows * h);
     EXPECT_TRUE(bitwise_equal(dx16, dx32_rounded));
     EXPECT_TRUE(bitwise_equal(dg_direct, dg_scratch));
+    Buffer dx16_frozen(DType::kBFloat16, {rows, h}), dx32_frozen(DType::kFloat32, {rows, h});
+    rn::backward_fused(dy, x, r16, gamma, dx16_frozen, nullptr, {});
+    rn::backward_fused(dy32, x, r16, gamma, dx32_frozen, nullptr, {});
+    EXPECT_TRUE(bitwise_equal(dx16_frozen, dx16));
+    EXPECT_TRUE(bitwise_equal(dx32_frozen, dx32));
   }
 }
 
