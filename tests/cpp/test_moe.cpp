@@ -608,6 +608,43 @@ TEST(MoeBackward, UnpermuteDprobsKeepTheOrderBeyondFp32Range) {
   }
 }
 
+TEST(MoeBackward, UnpermuteDprobsKeepTheTreeOrderOnRowsOfWholeVectors) {
+  // Rows of whole 32-element steps end in the tree alone (the AVX-512 kernel reduces
+  // it in registers). Products of +-2^60 in partials 0 and 4 absorb the 1s beside
+  // them: the tree's ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)) gives 0 there,
+  // and the 1s of partials 8-15 survive (8 * H/16); any other pairing gives another
+  // sum (0, or the 1s of other partials). Every product is exact in fp32.
+  std::mt19937_64 rng(test_seed());
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  const DType dtype = DType::kBFloat16;
+  for (int64_t H : {32, 64, 256}) {
+    const int64_t T = 5, E = 4, k = 2;
+    Buffer map = random_map(T, E, k, rng, 0.0);  // every token routed
+    const int64_t N = moe::count_routed(map);
+    const Slots slots = oracle_slots(map, N, false);
+    Buffer indices = index_buffer(slots.token);
+    Buffer x(dtype, {N, H}), dy(dtype, {T, H}), probs(dtype, {N});
+    fill_normal(x, rng);
+    fill_normal(probs, rng);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        store_from_double(dy.data(), dtype, t * H + h, h % 16 == 0 ? 0x1p30 : h % 16 == 4 ? -0x1p30 : 1.0);
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t h = 0; h < H; ++h)
+        store_from_double(x.data(), dtype, i * H + h, h % 16 == 0 || h % 16 == 4 ? 0x1p30 : 1.0);
+    const Buffer want = dprobs_in_one_order(dy, x, slots, dtype);
+    for (int64_t i = 0; i < N; ++i) ASSERT_EQ(load_as_double(want.data(), dtype, i), 8.0 * static_cast<double>(H / 16));
+    for (int64_t target : targets) {
+      SCOPED_TRACE(::testing::Message() << hwy::TargetName(target) << " H=" << H);
+      hwy::SetSupportedTargetsForTest(target);
+      Buffer dx(dtype, {N, H}), dp(dtype, {N});
+      moe::unpermute_backward(dy, x, indices, &probs.view(), nullptr, false, Method::kFused, dx, &dp.view());
+      EXPECT_TRUE(bitwise_equal(dp, want));
+    }
+    hwy::SetSupportedTargetsForTest(0);
+  }
+}
+
 // Backward of permute: dtokens = scatter-add of dpermuted (float64 oracle), dprobs = scatter of
 // dpermuted_probs; and both are the adjoints of the forward gather (checked as <dy, P x> == <P^T dy, x>).
 TEST(MoeBackward, PermuteIsAdjointOfGather) {
