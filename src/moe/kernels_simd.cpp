@@ -67,15 +67,48 @@ void ReduceScaledT(const void* const* HWY_RESTRICT srcs, const float* HWY_RESTRI
 #if HWY_TARGET != HWY_SCALAR
   if constexpr (kT == DType::kBFloat16) {  // two vectors per store (StoreBF16x2): the same bits
     const bool hardware = leanstep::simd::HWY_NAMESPACE::HardwareBF16Rounding();
-    for (; i + 2 * N <= n; i += 2 * N) {
+    auto block = [&](int64_t at) {
       auto lo = hn::Zero(df), hi = hn::Zero(df);
       for (int64_t s = 0; s < count; ++s) {
         const auto p = hn::Set(df, probs[s]);
-        lo = hn::Add(lo, hn::Mul(LoadAsF32<kT>(df, srcs[s], i), p));
-        hi = hn::Add(hi, hn::Mul(LoadAsF32<kT>(df, srcs[s], i + N), p));
+        lo = hn::Add(lo, hn::Mul(LoadAsF32<kT>(df, srcs[s], at), p));
+        hi = hn::Add(hi, hn::Mul(LoadAsF32<kT>(df, srcs[s], at + N), p));
       }
-      leanstep::simd::HWY_NAMESPACE::StoreBF16x2(df, lo, hi, static_cast<uint16_t*>(out) + i, hardware);
+      leanstep::simd::HWY_NAMESPACE::StoreBF16x2(df, lo, hi, static_cast<uint16_t*>(out) + at, hardware);
+    };
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+    if (N == 16 && hardware) {
+      // AVX-512 with VCVTNE2PS2BF16: each lane's arithmetic as in `block`, on lanes
+      // widened by interleaving with zero words within each 128-bit block (one
+      // shuffle per 16 lanes, not a zero-extension and a shift): `lo` holds elements
+      // {0-3, 8-11, 16-19, 24-27}, `hi` {4-7, 12-15, 20-23, 28-31}. One qword
+      // permute after the rounding puts them back in order. A block with a
+      // subnormal sum (which the instruction reads as zero) goes through `block`.
+      const __m512i zero = _mm512_setzero_si512();
+      const __m512i order = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);
+      constexpr int kSubnormal = 0x20;  // VFPCLASSPS category: denormal
+      for (; i + 2 * N <= n; i += 2 * N) {
+        __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+        for (int64_t s = 0; s < count; ++s) {
+          const __m512 p = _mm512_set1_ps(probs[s]);
+          const __m512i v = _mm512_loadu_si512(static_cast<const uint16_t*>(srcs[s]) + i);
+          lo = _mm512_add_ps(lo, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v)), p));
+          hi = _mm512_add_ps(hi, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v)), p));
+        }
+        const __mmask16 subnormal =
+            _mm512_kor(_mm512_fpclass_ps_mask(lo, kSubnormal), _mm512_fpclass_ps_mask(hi, kSubnormal));
+        if (HWY_UNLIKELY(!_mm512_kortestz(subnormal, subnormal))) {
+          block(i);
+          continue;
+        }
+        __m512i packed;
+        // AT&T order: the first source fills the low half.
+        asm("vcvtne2ps2bf16 %[lo], %[hi], %[out]" : [out] "=v"(packed) : [lo] "v"(lo), [hi] "v"(hi));
+        _mm512_storeu_si512(static_cast<uint16_t*>(out) + i, _mm512_permutexvar_epi64(order, packed));
+      }
     }
+#endif
+    for (; i + 2 * N <= n; i += 2 * N) block(i);
   }
 #endif
   for (; i + N <= n; i += N) {

@@ -288,6 +288,43 @@ TEST(MoeUnpermute, MatchesFloat64OracleAndPathsAreBitIdentical) {
 // A token's sum starts from +0, as the reference's zeroed accumulators (and torch's
 // scatter_add into zeros): slots of -0 (and -0 products, a negative prob times +0) sum
 // to +0, on every target, the fused path as the sort path.
+TEST(MoeUnpermute, SubnormalSumsAreRoundedNotFlushed) {
+  // bf16 rows whose weighted sums fall below fp32's normal range in some lanes: each
+  // sum is rounded to bf16 as a scalar would round it (the CPU's bf16 conversion reads
+  // a subnormal as zero, so those blocks must not go through it), in every lane
+  // position of a 32-element block and in the tail.
+  std::mt19937_64 rng(test_seed());
+  const DType dtype = DType::kBFloat16;
+  for (int64_t H : {32, 64, 71}) {
+    SCOPED_TRACE(H);
+    const int64_t T = 6, E = 4, k = 2;
+    Buffer map = random_map(T, E, k, rng, 0.0);
+    const int64_t N = moe::count_routed(map);
+    const Slots slots = oracle_slots(map, N, false);
+    Buffer indices = index_buffer(slots.token);
+    Buffer permuted(dtype, {N, H}), probs(DType::kFloat32, {N});
+    std::uniform_int_distribution<int> pick(0, 3);
+    for (int64_t j = 0; j < N * H; ++j) {
+      const double tiny[] = {0x1.8p-128, -0x1p-131, 0x1.4p-127, 1.5};
+      store_from_double(permuted.data(), dtype, j, tiny[pick(rng)]);
+    }
+    for (int64_t i = 0; i < N; ++i) store_from_double(probs.data(), DType::kFloat32, i, 0.75);
+    Buffer out(dtype, {T, H});
+    moe::unpermute(permuted, indices, out, &probs.view(), nullptr, false, Method::kFused);
+    size_t subnormal = 0;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        float acc = 0.0f;  // the slots of token t in slot order, each product rounded to fp32
+        for (int64_t i = 0; i < N; ++i)
+          if (slots.token[static_cast<size_t>(i)] == t)
+            acc = acc + static_cast<float>(load_as_double(permuted.data(), dtype, i * H + h)) * 0.75f;
+        subnormal += std::fpclassify(acc) == FP_SUBNORMAL;
+        ASSERT_EQ(static_cast<const uint16_t*>(out.data())[t * H + h], float_to_bf16(acc)) << "t=" << t << " h=" << h;
+      }
+    EXPECT_GT(subnormal, 0u);
+  }
+}
+
 TEST(MoeUnpermute, SignedZerosSumFromPositiveZero) {
   std::mt19937_64 rng(test_seed());
   const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
