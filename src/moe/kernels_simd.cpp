@@ -155,6 +155,68 @@ HWY_NOINLINE bool ZeroProductsHaveZeroFactors(DFW dfw, const void* a, const void
 }
 #endif
 
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+// The AVX-512 steps of the bf16 dot (DotF64T) and of its fused twin (ScaleRowDotT):
+// 32 elements a step, the same partial sums in the same order as DotF64T's loops,
+// with fewer instructions (perf: this dot was most of a small unpermute backward).
+// - bf16 is widened by interleaving with zero words within each 128-bit block (one
+//   shuffle per 16 lanes, not a zero-extension and a shift): the lanes then hold
+//   elements {0-3, 8-11, 16-19, 24-27} (lo) and {4-7, 12-15, 20-23, 28-31} (hi);
+// - so lo's lower 8 products go to partials {0-3, 8-11} and its upper 8, 16 elements
+//   later, to the same partials: one fp64 accumulator per half-set (sums_lo, sums_hi);
+// - each product's exactness is read by one VFPCLASSPS (zero, subnormal, infinite or
+//   NaN: every category but a negative finite); a row with any such product takes
+//   DotF64T's portable loop from its start, which tells the exact zeros (a zero
+//   factor) from the rest.
+struct Bf16DotAvx512 {
+  __m512d sums_lo, sums_hi;
+  __mmask16 unusual;
+
+  // (Not a constructor: an implicit one is not compiled for the target.)
+  HWY_INLINE void Start() {
+    sums_lo = _mm512_setzero_pd();
+    sums_hi = _mm512_setzero_pd();
+    unusual = 0;
+  }
+
+  HWY_INLINE static __m512 Low(__m512i v) { return _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), v)); }
+  HWY_INLINE static __m512 High(__m512i v) { return _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), v)); }
+
+  // Elements h..h+31 of a and b, as raw bf16 vectors.
+  HWY_INLINE void Step(__m512i va, __m512i vb) {
+    constexpr int kUnusual = 0xBF;
+    const __m512 lo = _mm512_mul_ps(Low(va), Low(vb)), hi = _mm512_mul_ps(High(va), High(vb));
+    unusual = static_cast<__mmask16>(unusual | _mm512_fpclass_ps_mask(lo, kUnusual) | _mm512_fpclass_ps_mask(hi, kUnusual));
+    sums_lo = _mm512_add_pd(sums_lo, _mm512_cvtps_pd(_mm512_castps512_ps256(lo)));
+    sums_hi = _mm512_add_pd(sums_hi, _mm512_cvtps_pd(_mm512_castps512_ps256(hi)));
+    sums_lo = _mm512_add_pd(sums_lo, _mm512_cvtps_pd(_mm512_extractf32x8_ps(lo, 1)));
+    sums_hi = _mm512_add_pd(sums_hi, _mm512_cvtps_pd(_mm512_extractf32x8_ps(hi, 1)));
+  }
+
+  // DotF64T's layout: partials 0-7 and 8-15.
+  HWY_INLINE __m512d Partials0to7() const {
+    return _mm512_permutex2var_pd(sums_lo, _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11), sums_hi);
+  }
+  HWY_INLINE __m512d Partials8to15() const {
+    return _mm512_permutex2var_pd(sums_lo, _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15), sums_hi);
+  }
+
+  // dot_f64_tree in registers, ((p0 + p1) + (p2 + p3)) + ... (an fp add is
+  // commutative, so any operand order gives the tree's bits).
+  HWY_INLINE double Tree() const {
+    // Level 1, s_i = p[2i] + p[2i+1]: lanes [s0, s2, s1, s3, s4, s6, s5, s7].
+    const __m512d pairs = _mm512_add_pd(_mm512_unpacklo_pd(sums_lo, sums_hi), _mm512_unpackhi_pd(sums_lo, sums_hi));
+    // Level 2, t_i = s[2i] + s[2i+1]: lanes [t0, t1, ., ., t2, t3, ., .].
+    const __m512d quads = _mm512_add_pd(pairs, _mm512_shuffle_f64x2(pairs, pairs, 0xB1));
+    const __m128d t01 = _mm512_castpd512_pd128(quads), t23 = _mm512_extractf64x2_pd(quads, 2);
+    // Levels 3 and 4: (t0 + t1) + (t2 + t3).
+    const double u0 = _mm_cvtsd_f64(t01) + _mm_cvtsd_f64(_mm_unpackhi_pd(t01, t01));
+    const double u1 = _mm_cvtsd_f64(t23) + _mm_cvtsd_f64(_mm_unpackhi_pd(t23, t23));
+    return u0 + u1;
+  }
+};
+#endif
+
 // The sum of a[h] * b[h] in double, in a fixed order whatever the SIMD width: 16
 // partial sums, partial[j] over h = j (mod 16) in increasing h, then a fixed
 // pairwise tree (dot_f64_reference in moe/kernels.h, the same order in plain C++).
@@ -175,55 +237,20 @@ double DotF64T(const void* a, const void* b, int64_t n) {
   for (size_t k = 0; k < K; ++k) acc[k] = hn::Zero(dd);
   int64_t h = 0;
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  if constexpr (kT == DType::kBFloat16 && L == 8 && K == 2) {
-    // AVX-512, 32 elements a step, the same partial sums in the same order as the
-    // loop below, with fewer instructions (perf: this dot was most of a small
-    // unpermute backward):
-    // - bf16 widened by interleaving with zero words within each 128-bit block (one
-    //   shuffle per 16 lanes, not a zero-extension and a shift): the lanes then hold
-    //   elements {0-3, 8-11, 16-19, 24-27} (lo) and {4-7, 12-15, 20-23, 28-31} (hi);
-    // - so lo's lower 8 products go to partials {0-3, 8-11} and its upper 8, 16
-    //   elements later, to the same partials: one fp64 accumulator per half-set;
-    // - each product's exactness (below) read by one VFPCLASSPS: zero, subnormal,
-    //   infinite or NaN. A row with any such product goes through the loop below
-    //   from its start, which tells the exact zeros (a zero factor) from the rest.
+  if constexpr (kT == DType::kBFloat16 && L == 8 && K == 2) {  // see Bf16DotAvx512
     const auto* pa = static_cast<const uint16_t*>(a);
     const auto* pb = static_cast<const uint16_t*>(b);
-    const __m512i zero = _mm512_setzero_si512();
-    __m512d sums_lo = _mm512_setzero_pd(), sums_hi = _mm512_setzero_pd();
-    __mmask16 unusual = 0;
-    constexpr int kUnusual = 0xBF;  // VFPCLASSPS: every category but a negative finite
-    for (; h + 2 * static_cast<int64_t>(kDotPartials) <= n; h += 2 * kDotPartials) {
-      const __m512i va = _mm512_loadu_si512(pa + h), vb = _mm512_loadu_si512(pb + h);
-      const __m512 lo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, va)),
-                                      _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, vb)));
-      const __m512 hi = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, va)),
-                                      _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, vb)));
-      unusual = static_cast<__mmask16>(unusual | _mm512_fpclass_ps_mask(lo, kUnusual) |
-                                       _mm512_fpclass_ps_mask(hi, kUnusual));
-      sums_lo = _mm512_add_pd(sums_lo, _mm512_cvtps_pd(_mm512_castps512_ps256(lo)));
-      sums_hi = _mm512_add_pd(sums_hi, _mm512_cvtps_pd(_mm512_castps512_ps256(hi)));
-      sums_lo = _mm512_add_pd(sums_lo, _mm512_cvtps_pd(_mm512_extractf32x8_ps(lo, 1)));
-      sums_hi = _mm512_add_pd(sums_hi, _mm512_cvtps_pd(_mm512_extractf32x8_ps(hi, 1)));
-    }
-    if (unusual) {
+    Bf16DotAvx512 dot;
+    dot.Start();
+    for (; h + 2 * static_cast<int64_t>(kDotPartials) <= n; h += 2 * kDotPartials)
+      dot.Step(_mm512_loadu_si512(pa + h), _mm512_loadu_si512(pb + h));
+    if (dot.unusual) {
       h = 0;  // the loop below, from the start
     } else if (h == n) {
-      // No tail: dot_f64_tree in registers, ((p0 + p1) + (p2 + p3)) + ... Level 1,
-      // s_i = p[2i] + p[2i+1]: lanes [s0, s2, s1, s3, s4, s6, s5, s7] (an fp add is
-      // commutative, so any operand order gives the tree's bits).
-      const __m512d pairs = _mm512_add_pd(_mm512_unpacklo_pd(sums_lo, sums_hi), _mm512_unpackhi_pd(sums_lo, sums_hi));
-      // Level 2: t_i = s[2i] + s[2i+1]: blocks 0+1 and 2+3 give lanes [t0, t1, ., ., t2, t3, ., .].
-      const __m512d quads = _mm512_add_pd(pairs, _mm512_shuffle_f64x2(pairs, pairs, 0xB1));
-      const __m128d t01 = _mm512_castpd512_pd128(quads), t23 = _mm512_extractf64x2_pd(quads, 2);
-      // Levels 3 and 4: (t0 + t1) + (t2 + t3).
-      const double u0 = _mm_cvtsd_f64(t01) + _mm_cvtsd_f64(_mm_unpackhi_pd(t01, t01));
-      const double u1 = _mm_cvtsd_f64(t23) + _mm_cvtsd_f64(_mm_unpackhi_pd(t23, t23));
-      return u0 + u1;
+      return dot.Tree();  // no tail
     } else {
-      // Back to the loop's layout: acc[0] partials 0-7, acc[1] partials 8-15.
-      acc[0].raw = _mm512_permutex2var_pd(sums_lo, _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11), sums_hi);
-      acc[1].raw = _mm512_permutex2var_pd(sums_lo, _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15), sums_hi);
+      acc[0].raw = dot.Partials0to7();
+      acc[1].raw = dot.Partials8to15();
     }
   }
 #endif
@@ -284,6 +311,44 @@ double ScaleRowDotT(const void* dy, const void* x, float prob, void* out, int64_
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const auto vp = hn::Set(df, prob);
   int64_t i = 0;
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if constexpr (kT == DType::kBFloat16) {
+    if (dot && N == 16 && n % (2 * static_cast<int64_t>(kDotPartials)) == 0 &&
+        leanstep::simd::HWY_NAMESPACE::HardwareBF16Rounding()) {
+      // One pass: dy read once for the scaled row and the dot (Bf16DotAvx512). The
+      // scaled lanes are the loops' below (dy * prob, rounded once by VCVTNE2PS2BF16),
+      // on the interleave's lanes, put back in order by one qword permute; a block
+      // with a subnormal product (which the instruction reads as zero) is stored the
+      // portable way.
+      const auto* pdy = static_cast<const uint16_t*>(dy);
+      const auto* px = static_cast<const uint16_t*>(x);
+      auto* po = static_cast<uint16_t*>(out);
+      const __m512 p = _mm512_set1_ps(prob);
+      const __m512i order = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);
+      constexpr int kSubnormal = 0x20;  // VFPCLASSPS category: denormal
+      Bf16DotAvx512 sums;
+      sums.Start();
+      for (int64_t h = 0; h < n; h += 2 * N) {
+        const __m512i vdy = _mm512_loadu_si512(pdy + h);
+        sums.Step(vdy, _mm512_loadu_si512(px + h));
+        const __m512 lo = _mm512_mul_ps(Bf16DotAvx512::Low(vdy), p), hi = _mm512_mul_ps(Bf16DotAvx512::High(vdy), p);
+        const __mmask16 subnormal =
+            _mm512_kor(_mm512_fpclass_ps_mask(lo, kSubnormal), _mm512_fpclass_ps_mask(hi, kSubnormal));
+        if (HWY_UNLIKELY(!_mm512_kortestz(subnormal, subnormal))) {
+          leanstep::simd::HWY_NAMESPACE::StoreBF16x2(df, hn::Mul(LoadAsF32<kT>(df, dy, h), vp),
+                                                     hn::Mul(LoadAsF32<kT>(df, dy, h + N), vp), po + h, true);
+          continue;
+        }
+        __m512i packed;
+        // AT&T order: the first source fills the low half.
+        asm("vcvtne2ps2bf16 %[lo], %[hi], %[out]" : [out] "=v"(packed) : [lo] "v"(lo), [hi] "v"(hi));
+        _mm512_storeu_si512(po + h, _mm512_permutexvar_epi64(order, packed));
+      }
+      if (!sums.unusual) return sums.Tree();
+      return DotF64T<kT>(dy, x, n);  // an inexact product: the dot the portable way
+    }
+  }
+#endif
 #if HWY_TARGET != HWY_SCALAR
   if constexpr (kT == DType::kBFloat16) {  // two vectors per store: the same bits
     const bool hardware = leanstep::simd::HWY_NAMESPACE::HardwareBF16Rounding();

@@ -322,6 +322,23 @@ TEST(MoeUnpermute, SubnormalSumsAreRoundedNotFlushed) {
         ASSERT_EQ(static_cast<const uint16_t*>(out.data())[t * H + h], float_to_bf16(acc)) << "t=" << t << " h=" << h;
       }
     EXPECT_GT(subnormal, 0u);
+    // The backward's scaled rows, dpermuted = cast(dy * prob), with dprobs taken in the
+    // same pass: the same rule for their subnormal products.
+    Buffer dy(dtype, {T, H}), dpermuted(dtype, {N, H}), dprobs(dtype, {N}), bf16_probs(dtype, {N});
+    for (int64_t j = 0; j < T * H; ++j) store_from_double(dy.data(), dtype, j, load_as_double(permuted.data(), dtype, j));
+    for (int64_t i = 0; i < N; ++i) store_from_double(bf16_probs.data(), dtype, i, 0.75);
+    moe::unpermute_backward(dy, permuted, indices, &bf16_probs.view(), nullptr, false, Method::kFused, dpermuted,
+                            &dprobs.view());
+    subnormal = 0;
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        const float scaled =
+            static_cast<float>(load_as_double(dy.data(), dtype, slots.token[static_cast<size_t>(i)] * H + h)) * 0.75f;
+        subnormal += std::fpclassify(scaled) == FP_SUBNORMAL;
+        ASSERT_EQ(static_cast<const uint16_t*>(dpermuted.data())[i * H + h], float_to_bf16(scaled))
+            << "i=" << i << " h=" << h;
+      }
+    EXPECT_GT(subnormal, 0u);
   }
 }
 
