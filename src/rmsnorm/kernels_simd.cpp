@@ -116,6 +116,24 @@ HWY_INLINE void ScaleRowT(const void* x, float r, const float* HWY_RESTRICT g, v
   }
 }
 
+// The dot passes' order of additions: term(k) of 4 vectors a step into a0..a3, then
+// of single vectors into a0. Returns where the whole vectors end (the tail is the
+// caller's). One place for it: the kept-products backward must add as GdyXhatDotT does.
+template <class D, class Term>
+HWY_INLINE int64_t AccumulateInFourT(D, int64_t n, const Term& term, hn::Vec<D>& a0, hn::Vec<D>& a1,
+                                     hn::Vec<D>& a2, hn::Vec<D>& a3) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(D()));
+  int64_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N) {
+    a0 = hn::Add(a0, term(i));
+    a1 = hn::Add(a1, term(i + N));
+    a2 = hn::Add(a2, term(i + 2 * N));
+    a3 = hn::Add(a3, term(i + 3 * N));
+  }
+  for (; i + N <= n; i += N) a0 = hn::Add(a0, term(i));
+  return i;
+}
+
 // sum of (g*dy) * (x*r); with kAccumulate also partial += dy*xhat (the
 // trainable backward's dgamma partial, accumulated in the pass that streams dy
 // and x from memory: the dx pass then is the frozen one, from cache).
@@ -123,7 +141,6 @@ template <DType kT, bool kAccumulate>
 HWY_INLINE float GdyXhatDotT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r,
                              float* HWY_RESTRICT partial, int64_t n) {
   const hn::ScalableTag<float> d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const auto vr = hn::Set(d, r);
   auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
   // One vector's term; pp: its partial (kAccumulate only).
@@ -135,14 +152,7 @@ HWY_INLINE float GdyXhatDotT(const float* HWY_RESTRICT g, const void* dy, const 
   auto at = [&](int64_t k) {
     return step(hn::LoadU(d, g + k), LoadF32<kT>(d, dy, k), LoadF32<kT>(d, x, k), kAccumulate ? partial + k : nullptr);
   };
-  int64_t i = 0;
-  for (; i + 4 * N <= n; i += 4 * N) {
-    a0 = hn::Add(a0, at(i));
-    a1 = hn::Add(a1, at(i + N));
-    a2 = hn::Add(a2, at(i + 2 * N));
-    a3 = hn::Add(a3, at(i + 3 * N));
-  }
-  for (; i + N <= n; i += N) a0 = hn::Add(a0, at(i));
+  const int64_t i = AccumulateInFourT(d, n, at, a0, a1, a2, a3);
   if (i < n) {
     HWY_ALIGN float tg[kPad] = {}, tdy[kPad] = {}, tx[kPad] = {}, tp[kPad] = {};
     const size_t bytes = static_cast<size_t>(n - i) * sizeof(float);
@@ -259,15 +269,7 @@ HWY_INLINE void CachedBackwardRowT(const float* HWY_RESTRICT g, const void* dy, 
     hn::Store(xhat, d, xhat_row + k);
     return hn::Mul(gdy, xhat);
   };
-  // The accumulators in GdyXhatDotT's order: 4 vectors a step, then single vectors into a0.
-  int64_t i = 0;
-  for (; i + 4 * N <= n; i += 4 * N) {
-    a0 = hn::Add(a0, at(i));
-    a1 = hn::Add(a1, at(i + N));
-    a2 = hn::Add(a2, at(i + 2 * N));
-    a3 = hn::Add(a3, at(i + 3 * N));
-  }
-  for (; i + N <= n; i += N) a0 = hn::Add(a0, at(i));
+  AccumulateInFourT(d, n, at, a0, a1, a2, a3);  // no tail: n is whole vector pairs
   const float dot = hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
   const auto vm = hn::Set(d, detail::row_mean(dot, n));
   // DxRowT's step on the kept products.

@@ -76,6 +76,21 @@ inline Buffer index_buffer(const std::vector<int64_t>& v, DType dtype = DType::k
   return b;
 }
 
+// A routing that sends every token to k of E experts, its N slots in the oracle's
+// order and their tokens as an index tensor: the set-up of the unpermute tests
+// that place values at chosen slots.
+struct EveryTokenRouted {
+  EveryTokenRouted(int64_t T, int64_t E, int64_t k, std::mt19937_64& rng)
+      : map(random_map(T, E, k, rng, 0.0)),
+        N(moe::count_routed(map)),
+        slots(oracle_slots(map, N, false)),
+        indices(index_buffer(slots.token)) {}
+  Buffer map;
+  int64_t N;
+  Slots slots;
+  Buffer indices;
+};
+
 inline std::vector<int64_t> index_values(const Tensor& t) {
   std::vector<int64_t> v(static_cast<size_t>(t.numel()));
   for (int64_t i = 0; i < t.numel(); ++i)

@@ -297,11 +297,11 @@ TEST(MoeUnpermute, SubnormalSumsAreRoundedNotFlushed) {
   const DType dtype = DType::kBFloat16;
   for (int64_t H : {32, 64, 71}) {
     SCOPED_TRACE(H);
-    const int64_t T = 6, E = 4, k = 2;
-    Buffer map = random_map(T, E, k, rng, 0.0);
-    const int64_t N = moe::count_routed(map);
-    const Slots slots = oracle_slots(map, N, false);
-    Buffer indices = index_buffer(slots.token);
+    const int64_t T = 6;
+    const EveryTokenRouted routed(T, 4, 2, rng);
+    const int64_t N = routed.N;
+    const Slots& slots = routed.slots;
+    const Buffer& indices = routed.indices;
     Buffer permuted(dtype, {N, H}), probs(DType::kFloat32, {N});
     std::uniform_int_distribution<int> pick(0, 3);
     for (int64_t j = 0; j < N * H; ++j) {
@@ -552,6 +552,21 @@ Buffer dprobs_in_one_order(const Buffer& dy, const Buffer& x, const Slots& slots
   return want;
 }
 
+// unpermute_backward's dprobs on every compiled Highway target, each bitwise `want`.
+void expect_dprobs_on_every_target(const Buffer& dy, const Buffer& x, const Buffer& indices, const Buffer& probs,
+                                   const Buffer& want) {
+  const DType dtype = x.view().dtype;
+  const int64_t N = x.view().shape[0], H = x.view().shape[1];
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    SCOPED_TRACE(::testing::Message() << hwy::TargetName(target) << " " << dtype_name(dtype) << " H=" << H);
+    hwy::SetSupportedTargetsForTest(target);
+    Buffer dx(dtype, {N, H}), dp(probs.view().dtype, {N});
+    moe::unpermute_backward(dy, x, indices, &probs.view(), nullptr, false, Method::kFused, dx, &dp.view());
+    EXPECT_TRUE(bitwise_equal(dp, want));
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
 // dprobs of unpermute's backward has one order of additions on every SIMD target: 16
 // partial sums over h = j (mod 16) in increasing h, then a pairwise tree (this test's own
 // copy of the order), the double result rounded once to the probs' dtype. Each target
@@ -586,14 +601,7 @@ TEST(MoeBackward, UnpermuteDprobsHaveOneOrderOnEveryTarget) {
         }
       }
       const Buffer want = dprobs_in_one_order(dy, x, slots, dtype);
-      for (int64_t target : targets) {
-        SCOPED_TRACE(::testing::Message() << hwy::TargetName(target) << " " << dtype_name(dtype) << " H=" << H);
-        hwy::SetSupportedTargetsForTest(target);
-        Buffer dx(dtype, {N, H}), dp(dtype, {N});
-        moe::unpermute_backward(dy, x, indices, &probs.view(), nullptr, false, Method::kFused, dx, &dp.view());
-        EXPECT_TRUE(bitwise_equal(dp, want));
-      }
-      hwy::SetSupportedTargetsForTest(0);
+      expect_dprobs_on_every_target(dy, x, indices, probs, want);
     }
 }
 
@@ -607,14 +615,13 @@ TEST(MoeBackward, UnpermuteDprobsHaveOneOrderOnEveryTarget) {
 // sums). The other rows: random normal products.
 TEST(MoeBackward, UnpermuteDprobsKeepTheOrderBeyondFp32Range) {
   std::mt19937_64 rng(test_seed());
-  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
   const DType dtype = DType::kBFloat16;
   for (int64_t H : {17, 33, 49, 255}) {  // H - 1 even: row 1's +-2^-120 pair up
-    const int64_t T = 9, E = 4, k = 2;
-    Buffer map = random_map(T, E, k, rng, 0.0);  // every token routed
-    const int64_t N = moe::count_routed(map);
-    const Slots slots = oracle_slots(map, N, false);
-    Buffer indices = index_buffer(slots.token);
+    const int64_t T = 9;
+    const EveryTokenRouted routed(T, 4, 2, rng);
+    const int64_t N = routed.N;
+    const Slots& slots = routed.slots;
+    const Buffer& indices = routed.indices;
     Buffer x(dtype, {N, H}), dy(dtype, {T, H}), probs(dtype, {N});
     fill_normal(x, rng);
     fill_normal(dy, rng);
@@ -651,14 +658,7 @@ TEST(MoeBackward, UnpermuteDprobsKeepTheOrderBeyondFp32Range) {
     ASSERT_GT(load_as_double(want.data(), dtype, rows[0]), 0.0);
     ASSERT_EQ(load_as_double(want.data(), dtype, rows[1]), 0.0);
     ASSERT_TRUE(std::signbit(load_as_double(want.data(), dtype, rows[1])));
-    for (int64_t target : targets) {
-      SCOPED_TRACE(::testing::Message() << hwy::TargetName(target) << " H=" << H);
-      hwy::SetSupportedTargetsForTest(target);
-      Buffer dx(dtype, {N, H}), dp(dtype, {N});
-      moe::unpermute_backward(dy, x, indices, &probs.view(), nullptr, false, Method::kFused, dx, &dp.view());
-      EXPECT_TRUE(bitwise_equal(dp, want));
-    }
-    hwy::SetSupportedTargetsForTest(0);
+    expect_dprobs_on_every_target(dy, x, indices, probs, want);
   }
 }
 
@@ -668,34 +668,24 @@ TEST(MoeBackward, UnpermuteDprobsKeepTheTreeOrderOnRowsOfWholeVectors) {
   // them: the tree's ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)) gives 0 there,
   // and the 1s of partials 8-15 survive (8 * H/16); any other pairing gives another
   // sum (0, or the 1s of other partials). Every product is exact in fp32.
+  constexpr DType dtype = DType::kBFloat16;
+  constexpr int64_t T = 5;
   std::mt19937_64 rng(test_seed());
-  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
-  const DType dtype = DType::kBFloat16;
   for (int64_t H : {32, 64, 256}) {
-    const int64_t T = 5, E = 4, k = 2;
-    Buffer map = random_map(T, E, k, rng, 0.0);  // every token routed
-    const int64_t N = moe::count_routed(map);
-    const Slots slots = oracle_slots(map, N, false);
-    Buffer indices = index_buffer(slots.token);
-    Buffer x(dtype, {N, H}), dy(dtype, {T, H}), probs(dtype, {N});
-    fill_normal(x, rng);
+    const EveryTokenRouted routed(T, 4, 2, rng);
+    const int64_t N = routed.N;
+    Buffer probs(dtype, {N});
     fill_normal(probs, rng);
+    Buffer x(dtype, {N, H}), dy(dtype, {T, H});  // every element set below
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < H; ++h)
         store_from_double(dy.data(), dtype, t * H + h, h % 16 == 0 ? 0x1p30 : h % 16 == 4 ? -0x1p30 : 1.0);
     for (int64_t i = 0; i < N; ++i)
       for (int64_t h = 0; h < H; ++h)
         store_from_double(x.data(), dtype, i * H + h, h % 16 == 0 || h % 16 == 4 ? 0x1p30 : 1.0);
-    const Buffer want = dprobs_in_one_order(dy, x, slots, dtype);
+    const Buffer want = dprobs_in_one_order(dy, x, routed.slots, dtype);
     for (int64_t i = 0; i < N; ++i) ASSERT_EQ(load_as_double(want.data(), dtype, i), 8.0 * static_cast<double>(H / 16));
-    for (int64_t target : targets) {
-      SCOPED_TRACE(::testing::Message() << hwy::TargetName(target) << " H=" << H);
-      hwy::SetSupportedTargetsForTest(target);
-      Buffer dx(dtype, {N, H}), dp(dtype, {N});
-      moe::unpermute_backward(dy, x, indices, &probs.view(), nullptr, false, Method::kFused, dx, &dp.view());
-      EXPECT_TRUE(bitwise_equal(dp, want));
-    }
-    hwy::SetSupportedTargetsForTest(0);
+    expect_dprobs_on_every_target(dy, x, routed.indices, probs, want);
   }
 }
 
