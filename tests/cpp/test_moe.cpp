@@ -285,9 +285,6 @@ TEST(MoeUnpermute, MatchesFloat64OracleAndPathsAreBitIdentical) {
       }
 }
 
-// A token's sum starts from +0, as the reference's zeroed accumulators (and torch's
-// scatter_add into zeros): slots of -0 (and -0 products, a negative prob times +0) sum
-// to +0, on every target, the fused path as the sort path.
 TEST(MoeUnpermute, SubnormalSumsAreRoundedNotFlushed) {
   // bf16 rows whose weighted sums fall below fp32's normal range in some lanes: each
   // sum is rounded to bf16 as a scalar would round it (the CPU's bf16 conversion reads
@@ -342,6 +339,9 @@ TEST(MoeUnpermute, SubnormalSumsAreRoundedNotFlushed) {
   }
 }
 
+// A token's sum starts from +0, as the reference's zeroed accumulators (and torch's
+// scatter_add into zeros): slots of -0 (and -0 products, a negative prob times +0) sum
+// to +0, on every target, the fused path as the sort path.
 TEST(MoeUnpermute, SignedZerosSumFromPositiveZero) {
   std::mt19937_64 rng(test_seed());
   const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
