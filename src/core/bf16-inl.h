@@ -48,6 +48,45 @@ HWY_INLINE void StoreBF16(DF df, hn::Vec<DF> v, uint16_t* HWY_RESTRICT dst) {
   hn::StoreU(hn::DemoteTo(du16, hn::BitCast(hn::RebindToSigned<DF>(), F32ToBF16Bits(df, v))), du16, dst);
 }
 
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+// lo's then hi's 16 fp32 lanes rounded to 32 bf16 by one VCVTNE2PS2BF16 into
+// *packed: round to nearest even and a quiet NaN, as F32ToBF16High, except that
+// the instruction reads fp32 subnormals as zero; so false, with nothing written,
+// where a lane is subnormal (the caller rounds that pair the portable way). Only
+// where the CPU has AVX512_BF16 (HardwareBF16Rounding()). Inline assembly: the
+// target's flags (Highway's AVX3) do not include avx512bf16.
+HWY_INLINE bool HardwareRoundBF16x2(__m512 lo, __m512 hi, __m512i* packed) {
+  constexpr int kSubnormal = 0x20;  // VFPCLASSPS category: denormal
+  const __mmask16 subnormal =
+      _mm512_kor(_mm512_fpclass_ps_mask(lo, kSubnormal), _mm512_fpclass_ps_mask(hi, kSubnormal));
+  if (HWY_UNLIKELY(!_mm512_kortestz(subnormal, subnormal))) return false;
+  // AT&T order: the first source fills the low half.
+  asm("vcvtne2ps2bf16 %[lo], %[hi], %[out]" : [out] "=v"(*packed) : [lo] "v"(lo), [hi] "v"(hi));
+  return true;
+}
+
+// 32 bf16 lanes widened to fp32 (exact) by interleaving with zero words within
+// each 128-bit block: one shuffle per 16 lanes, not a zero-extension and a shift.
+// The lanes then hold elements {0-3, 8-11, 16-19, 24-27} (Low) and {4-7, 12-15,
+// 20-23, 28-31} (High); StoreInterleavedBF16x2 puts them back in order.
+HWY_INLINE __m512 WidenBF16InterleavedLow(__m512i v) {
+  return _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), v));
+}
+HWY_INLINE __m512 WidenBF16InterleavedHigh(__m512i v) {
+  return _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), v));
+}
+
+// Stores lanes laid out as WidenBF16Interleaved{Low,High} leaves them (after
+// per-lane arithmetic) as 32 bf16 in element order: HardwareRoundBF16x2, then one
+// qword permute. False, with nothing stored, where HardwareRoundBF16x2 is.
+HWY_INLINE bool StoreInterleavedBF16x2(__m512 lo, __m512 hi, uint16_t* HWY_RESTRICT dst) {
+  __m512i packed;
+  if (!HardwareRoundBF16x2(lo, hi, &packed)) return false;
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), packed));
+  return true;
+}
+#endif
+
 // Stores 2 * Lanes(df) f32 values, lo's then hi's, as bf16 (each rounded once, the
 // same bits as two StoreBF16): the high halves of the rounded lanes gathered by one
 // two-vector shuffle (ConcatOdd; one vpermt2w on AVX-512) instead of a shift, a
@@ -63,22 +102,13 @@ HWY_INLINE void StoreBF16x2(DF df, hn::Vec<DF> lo, hn::Vec<DF> hi, uint16_t* HWY
                             [[maybe_unused]] bool hardware) {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
   // Where the CPU has AVX512_BF16 (detail::g_bf16_hardware_rounding), one
-  // VCVTNE2PS2BF16 rounds both vectors: the same rounding and quiet NaN as
-  // below, except that it reads fp32 subnormals as zero, so a pair with a
-  // subnormal lane takes the code below. Inline assembly: the target's flags
-  // (Highway's AVX3) do not include avx512bf16.
+  // VCVTNE2PS2BF16 rounds both vectors (HardwareRoundBF16x2); a pair with a
+  // subnormal lane takes the code below.
   if constexpr (hn::MaxLanes(DF()) == 16) {
-    if (hardware) {
-      constexpr int kSubnormal = 0x20;  // VFPCLASSPS category: denormal
-      const auto subnormal = _mm512_kor(_mm512_fpclass_ps_mask(lo.raw, kSubnormal),
-                                        _mm512_fpclass_ps_mask(hi.raw, kSubnormal));
-      if (HWY_LIKELY(_mm512_kortestz(subnormal, subnormal))) {
-        __m512i packed;
-        // AT&T order: the first source fills the low half.
-        asm("vcvtne2ps2bf16 %[lo], %[hi], %[out]" : [out] "=v"(packed) : [lo] "v"(lo.raw), [hi] "v"(hi.raw));
-        _mm512_storeu_si512(dst, packed);
-        return;
-      }
+    __m512i packed;
+    if (hardware && HardwareRoundBF16x2(lo.raw, hi.raw, &packed)) {
+      _mm512_storeu_si512(dst, packed);
+      return;
     }
   }
 #endif

@@ -79,32 +79,21 @@ void ReduceScaledT(const void* const* HWY_RESTRICT srcs, const float* HWY_RESTRI
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
     if (N == 16 && hardware) {
       // AVX-512 with VCVTNE2PS2BF16: each lane's arithmetic as in `block`, on lanes
-      // widened by interleaving with zero words within each 128-bit block (one
-      // shuffle per 16 lanes, not a zero-extension and a shift): `lo` holds elements
-      // {0-3, 8-11, 16-19, 24-27}, `hi` {4-7, 12-15, 20-23, 28-31}. One qword
-      // permute after the rounding puts them back in order. A block with a
-      // subnormal sum (which the instruction reads as zero) goes through `block`.
-      const __m512i zero = _mm512_setzero_si512();
-      const __m512i order = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);
-      constexpr int kSubnormal = 0x20;  // VFPCLASSPS category: denormal
+      // widened by interleaving (WidenBF16Interleaved{Low,High}), stored back in order
+      // by StoreInterleavedBF16x2. A block with a subnormal sum (which the instruction
+      // reads as zero) goes through `block`.
+      using leanstep::simd::HWY_NAMESPACE::StoreInterleavedBF16x2;
+      using leanstep::simd::HWY_NAMESPACE::WidenBF16InterleavedHigh;
+      using leanstep::simd::HWY_NAMESPACE::WidenBF16InterleavedLow;
       for (; i + 2 * N <= n; i += 2 * N) {
         __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
         for (int64_t s = 0; s < count; ++s) {
           const __m512 p = _mm512_set1_ps(probs[s]);
           const __m512i v = _mm512_loadu_si512(static_cast<const uint16_t*>(srcs[s]) + i);
-          lo = _mm512_add_ps(lo, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v)), p));
-          hi = _mm512_add_ps(hi, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v)), p));
+          lo = _mm512_add_ps(lo, _mm512_mul_ps(WidenBF16InterleavedLow(v), p));
+          hi = _mm512_add_ps(hi, _mm512_mul_ps(WidenBF16InterleavedHigh(v), p));
         }
-        const __mmask16 subnormal =
-            _mm512_kor(_mm512_fpclass_ps_mask(lo, kSubnormal), _mm512_fpclass_ps_mask(hi, kSubnormal));
-        if (HWY_UNLIKELY(!_mm512_kortestz(subnormal, subnormal))) {
-          block(i);
-          continue;
-        }
-        __m512i packed;
-        // AT&T order: the first source fills the low half.
-        asm("vcvtne2ps2bf16 %[lo], %[hi], %[out]" : [out] "=v"(packed) : [lo] "v"(lo), [hi] "v"(hi));
-        _mm512_storeu_si512(static_cast<uint16_t*>(out) + i, _mm512_permutexvar_epi64(order, packed));
+        if (HWY_UNLIKELY(!StoreInterleavedBF16x2(lo, hi, static_cast<uint16_t*>(out) + i))) block(i);
       }
     }
 #endif
@@ -159,9 +148,8 @@ HWY_NOINLINE bool ZeroProductsHaveZeroFactors(DFW dfw, const void* a, const void
 // The AVX-512 steps of the bf16 dot (DotF64T) and of its fused twin (ScaleRowDotT):
 // 32 elements a step, the same partial sums in the same order as DotF64T's loops,
 // with fewer instructions (perf: this dot was most of a small unpermute backward).
-// - bf16 is widened by interleaving with zero words within each 128-bit block (one
-//   shuffle per 16 lanes, not a zero-extension and a shift): the lanes then hold
-//   elements {0-3, 8-11, 16-19, 24-27} (lo) and {4-7, 12-15, 20-23, 28-31} (hi);
+// - bf16 is widened by WidenBF16Interleaved{Low,High} (core/bf16-inl.h): the lanes
+//   then hold elements {0-3, 8-11, 16-19, 24-27} (lo) and {4-7, 12-15, 20-23, 28-31} (hi);
 // - so lo's lower 8 products go to partials {0-3, 8-11} and its upper 8, 16 elements
 //   later, to the same partials: one fp64 accumulator per half-set (sums_lo, sums_hi);
 // - each product's exactness is read by one VFPCLASSPS (zero, subnormal, infinite or
@@ -179,13 +167,13 @@ struct Bf16DotAvx512 {
     unusual = 0;
   }
 
-  HWY_INLINE static __m512 Low(__m512i v) { return _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), v)); }
-  HWY_INLINE static __m512 High(__m512i v) { return _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), v)); }
-
   // Elements h..h+31 of a and b, as raw bf16 vectors.
   HWY_INLINE void Step(__m512i va, __m512i vb) {
     constexpr int kUnusual = 0xBF;
-    const __m512 lo = _mm512_mul_ps(Low(va), Low(vb)), hi = _mm512_mul_ps(High(va), High(vb));
+    using leanstep::simd::HWY_NAMESPACE::WidenBF16InterleavedHigh;
+    using leanstep::simd::HWY_NAMESPACE::WidenBF16InterleavedLow;
+    const __m512 lo = _mm512_mul_ps(WidenBF16InterleavedLow(va), WidenBF16InterleavedLow(vb));
+    const __m512 hi = _mm512_mul_ps(WidenBF16InterleavedHigh(va), WidenBF16InterleavedHigh(vb));
     unusual = static_cast<__mmask16>(unusual | _mm512_fpclass_ps_mask(lo, kUnusual) | _mm512_fpclass_ps_mask(hi, kUnusual));
     sums_lo = _mm512_add_pd(sums_lo, _mm512_cvtps_pd(_mm512_castps512_ps256(lo)));
     sums_hi = _mm512_add_pd(sums_hi, _mm512_cvtps_pd(_mm512_castps512_ps256(hi)));
@@ -324,25 +312,16 @@ double ScaleRowDotT(const void* dy, const void* x, float prob, void* out, int64_
       const auto* px = static_cast<const uint16_t*>(x);
       auto* po = static_cast<uint16_t*>(out);
       const __m512 p = _mm512_set1_ps(prob);
-      const __m512i order = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);
-      constexpr int kSubnormal = 0x20;  // VFPCLASSPS category: denormal
       Bf16DotAvx512 sums;
       sums.Start();
       for (int64_t h = 0; h < n; h += 2 * N) {
         const __m512i vdy = _mm512_loadu_si512(pdy + h);
         sums.Step(vdy, _mm512_loadu_si512(px + h));
-        const __m512 lo = _mm512_mul_ps(Bf16DotAvx512::Low(vdy), p), hi = _mm512_mul_ps(Bf16DotAvx512::High(vdy), p);
-        const __mmask16 subnormal =
-            _mm512_kor(_mm512_fpclass_ps_mask(lo, kSubnormal), _mm512_fpclass_ps_mask(hi, kSubnormal));
-        if (HWY_UNLIKELY(!_mm512_kortestz(subnormal, subnormal))) {
+        const __m512 lo = _mm512_mul_ps(leanstep::simd::HWY_NAMESPACE::WidenBF16InterleavedLow(vdy), p);
+        const __m512 hi = _mm512_mul_ps(leanstep::simd::HWY_NAMESPACE::WidenBF16InterleavedHigh(vdy), p);
+        if (HWY_UNLIKELY(!leanstep::simd::HWY_NAMESPACE::StoreInterleavedBF16x2(lo, hi, po + h)))
           leanstep::simd::HWY_NAMESPACE::StoreBF16x2(df, hn::Mul(LoadAsF32<kT>(df, dy, h), vp),
                                                      hn::Mul(LoadAsF32<kT>(df, dy, h + N), vp), po + h, true);
-          continue;
-        }
-        __m512i packed;
-        // AT&T order: the first source fills the low half.
-        asm("vcvtne2ps2bf16 %[lo], %[hi], %[out]" : [out] "=v"(packed) : [lo] "v"(lo), [hi] "v"(hi));
-        _mm512_storeu_si512(po + h, _mm512_permutexvar_epi64(order, packed));
       }
       if (!sums.unusual) return sums.Tree();
       return DotF64T<kT>(dy, x, n);  // an inexact product: the dot the portable way

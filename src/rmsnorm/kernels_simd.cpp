@@ -89,24 +89,34 @@ HWY_INLINE float SumSquaresT(const void* x, int64_t n) {
   return hn::GetLane(hn::SumOfLanes(d, total));
 }
 
+// Stores value(k), for the whole vectors k of a row of n elements, as kT: bf16 in
+// pairs of vectors (StoreBF16x2: the same bits as one at a time) while two remain,
+// then single vectors. Returns where the whole vectors end (the tail is the
+// caller's). `value` reads only: the order of its calls does not matter.
+template <DType kT, class D, class Value>
+HWY_INLINE int64_t StoreRowVectorsT(D d, int64_t n, const Value& value, void* out,
+                                    [[maybe_unused]] bool hardware_bf16) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  int64_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (kT == DType::kBFloat16) {
+    for (; i + 2 * N <= n; i += 2 * N)
+      leanstep::simd::HWY_NAMESPACE::StoreBF16x2(d, value(i), value(i + N), static_cast<uint16_t*>(out) + i,
+                                                 hardware_bf16);
+  }
+#endif
+  for (; i + N <= n; i += N) StoreF32<kT>(d, value(i), out, i);
+  return i;
+}
+
 // y = cast((x * r) * g)   (scale then cast: one rounding to y's dtype)
 template <DType kT>
 HWY_INLINE void ScaleRowT(const void* x, float r, const float* HWY_RESTRICT g, void* y, int64_t n,
-                          [[maybe_unused]] bool hardware_bf16) {
+                          bool hardware_bf16) {
   const hn::ScalableTag<float> d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const auto vr = hn::Set(d, r);
-  int64_t i = 0;
-#if HWY_TARGET != HWY_SCALAR
-  if constexpr (kT == DType::kBFloat16) {  // two vectors per store (StoreBF16x2): the same bits
-    for (; i + 2 * N <= n; i += 2 * N) {
-      const auto lo = hn::Mul(hn::Mul(LoadF32<kT>(d, x, i), vr), hn::LoadU(d, g + i));
-      const auto hi = hn::Mul(hn::Mul(LoadF32<kT>(d, x, i + N), vr), hn::LoadU(d, g + i + N));
-      leanstep::simd::HWY_NAMESPACE::StoreBF16x2(d, lo, hi, static_cast<uint16_t*>(y) + i, hardware_bf16);
-    }
-  }
-#endif
-  for (; i + N <= n; i += N) StoreF32<kT>(d, hn::Mul(hn::Mul(LoadF32<kT>(d, x, i), vr), hn::LoadU(d, g + i)), y, i);
+  auto at = [&](int64_t k) { return hn::Mul(hn::Mul(LoadF32<kT>(d, x, k), vr), hn::LoadU(d, g + k)); };
+  const int64_t i = StoreRowVectorsT<kT>(d, n, at, y, hardware_bf16);
   if (i < n) {
     HWY_ALIGN float tx[kPad] = {}, tg[kPad] = {}, ty[kPad];
     TailToF32<kT>(x, i, n - i, tx);
@@ -116,52 +126,53 @@ HWY_INLINE void ScaleRowT(const void* x, float r, const float* HWY_RESTRICT g, v
   }
 }
 
-// The dot passes' order of additions: term(k) of 4 vectors a step into a0..a3, then
-// of single vectors into a0. Returns where the whole vectors end (the tail is the
-// caller's). One place for it: the kept-products backward must add as GdyXhatDotT does.
-template <class D, class Term>
-HWY_INLINE int64_t AccumulateInFourT(D, int64_t n, const Term& term, hn::Vec<D>& a0, hn::Vec<D>& a1,
-                                     hn::Vec<D>& a2, hn::Vec<D>& a3) {
-  const int64_t N = static_cast<int64_t>(hn::Lanes(D()));
-  int64_t i = 0;
-  for (; i + 4 * N <= n; i += 4 * N) {
-    a0 = hn::Add(a0, term(i));
-    a1 = hn::Add(a1, term(i + N));
-    a2 = hn::Add(a2, term(i + 2 * N));
-    a3 = hn::Add(a3, term(i + 3 * N));
-  }
-  for (; i + N <= n; i += N) a0 = hn::Add(a0, term(i));
-  return i;
-}
-
 // sum of (g*dy) * (x*r); with kAccumulate also partial += dy*xhat (the
 // trainable backward's dgamma partial, accumulated in the pass that streams dy
-// and x from memory: the dx pass then is the frozen one, from cache).
-template <DType kT, bool kAccumulate>
+// and x from memory: the dx pass then is the frozen one, from cache). With
+// kKeepProducts, each g*dy and x*r also goes to gdy_row and xhat_row (aligned, n
+// elements; n a multiple of 2 * Lanes: no tail), for CachedBackwardRowT.
+template <DType kT, bool kAccumulate, bool kKeepProducts = false>
 HWY_INLINE float GdyXhatDotT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r,
-                             float* HWY_RESTRICT partial, int64_t n) {
+                             float* HWY_RESTRICT partial, int64_t n, float* HWY_RESTRICT gdy_row = nullptr,
+                             float* HWY_RESTRICT xhat_row = nullptr) {
   const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const auto vr = hn::Set(d, r);
   auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
-  // One vector's term; pp: its partial (kAccumulate only).
-  auto step = [&](auto vg, auto vdy, auto vx, float* pp) {
+  // One vector's term; pp: its partial (kAccumulate only); k: where its products are kept.
+  auto step = [&](auto vg, auto vdy, auto vx, float* pp, [[maybe_unused]] int64_t k) {
     const auto xhat = hn::Mul(vx, vr);
+    const auto gdy = hn::Mul(vg, vdy);
     if constexpr (kAccumulate) hn::StoreU(hn::MulAdd(vdy, xhat, hn::LoadU(d, pp)), d, pp);
-    return hn::Mul(hn::Mul(vg, vdy), xhat);
+    if constexpr (kKeepProducts) {
+      hn::Store(gdy, d, gdy_row + k);
+      hn::Store(xhat, d, xhat_row + k);
+    }
+    return hn::Mul(gdy, xhat);
   };
   auto at = [&](int64_t k) {
-    return step(hn::LoadU(d, g + k), LoadF32<kT>(d, dy, k), LoadF32<kT>(d, x, k), kAccumulate ? partial + k : nullptr);
+    return step(hn::LoadU(d, g + k), LoadF32<kT>(d, dy, k), LoadF32<kT>(d, x, k), kAccumulate ? partial + k : nullptr,
+                k);
   };
-  const int64_t i = AccumulateInFourT(d, n, at, a0, a1, a2, a3);
-  if (i < n) {
-    HWY_ALIGN float tg[kPad] = {}, tdy[kPad] = {}, tx[kPad] = {}, tp[kPad] = {};
-    const size_t bytes = static_cast<size_t>(n - i) * sizeof(float);
-    std::memcpy(tg, g + i, bytes);
-    TailToF32<kT>(dy, i, n - i, tdy);
-    TailToF32<kT>(x, i, n - i, tx);
-    if constexpr (kAccumulate) std::memcpy(tp, partial + i, bytes);
-    a1 = hn::Add(a1, step(hn::Load(d, tg), hn::Load(d, tdy), hn::Load(d, tx), tp));
-    if constexpr (kAccumulate) std::memcpy(partial + i, tp, bytes);
+  int64_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N) {
+    a0 = hn::Add(a0, at(i));
+    a1 = hn::Add(a1, at(i + N));
+    a2 = hn::Add(a2, at(i + 2 * N));
+    a3 = hn::Add(a3, at(i + 3 * N));
+  }
+  for (; i + N <= n; i += N) a0 = hn::Add(a0, at(i));
+  if constexpr (!kKeepProducts) {
+    if (i < n) {
+      HWY_ALIGN float tg[kPad] = {}, tdy[kPad] = {}, tx[kPad] = {}, tp[kPad] = {};
+      const size_t bytes = static_cast<size_t>(n - i) * sizeof(float);
+      std::memcpy(tg, g + i, bytes);
+      TailToF32<kT>(dy, i, n - i, tdy);
+      TailToF32<kT>(x, i, n - i, tx);
+      if constexpr (kAccumulate) std::memcpy(tp, partial + i, bytes);
+      a1 = hn::Add(a1, step(hn::Load(d, tg), hn::Load(d, tdy), hn::Load(d, tx), tp, 0));
+      if constexpr (kAccumulate) std::memcpy(partial + i, tp, bytes);
+    }
   }
   const auto total = hn::Add(hn::Add(a0, a1), hn::Add(a2, a3));
   return hn::GetLane(hn::SumOfLanes(d, total));
@@ -172,27 +183,16 @@ HWY_INLINE float GdyXhatDotT(const float* HWY_RESTRICT g, const void* dy, const 
 // so their dx is bitwise equal.
 template <DType kT>
 HWY_INLINE void DxRowT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r, float m, void* dx,
-                       int64_t n, [[maybe_unused]] bool hardware_bf16) {
+                       int64_t n, bool hardware_bf16) {
   const hn::ScalableTag<float> d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const auto vr = hn::Set(d, r);
   const auto vm = hn::Set(d, m);
   auto step = [&](auto vg, auto vdy, auto vx) {
     const auto xhat = hn::Mul(vx, vr);
     return hn::Mul(vr, hn::NegMulAdd(xhat, vm, hn::Mul(vg, vdy)));
   };
-  int64_t i = 0;
-#if HWY_TARGET != HWY_SCALAR
-  if constexpr (kT == DType::kBFloat16) {  // two vectors per store (StoreBF16x2): the same bits
-    for (; i + 2 * N <= n; i += 2 * N) {
-      const auto lo = step(hn::LoadU(d, g + i), LoadF32<kT>(d, dy, i), LoadF32<kT>(d, x, i));
-      const auto hi = step(hn::LoadU(d, g + i + N), LoadF32<kT>(d, dy, i + N), LoadF32<kT>(d, x, i + N));
-      leanstep::simd::HWY_NAMESPACE::StoreBF16x2(d, lo, hi, static_cast<uint16_t*>(dx) + i, hardware_bf16);
-    }
-  }
-#endif
-  for (; i + N <= n; i += N)
-    StoreF32<kT>(d, step(hn::LoadU(d, g + i), LoadF32<kT>(d, dy, i), LoadF32<kT>(d, x, i)), dx, i);
+  auto at = [&](int64_t k) { return step(hn::LoadU(d, g + k), LoadF32<kT>(d, dy, k), LoadF32<kT>(d, x, k)); };
+  const int64_t i = StoreRowVectorsT<kT>(d, n, at, dx, hardware_bf16);
   if (i < n) {
     HWY_ALIGN float tg[kPad] = {}, tdy[kPad] = {}, tx[kPad] = {}, tdx[kPad];
     std::memcpy(tg, g + i, static_cast<size_t>(n - i) * sizeof(float));
@@ -254,37 +254,16 @@ constexpr int64_t kCachedRowElements = 2048;
 template <DType kT, bool kAccumulate>
 HWY_INLINE void CachedBackwardRowT(const float* HWY_RESTRICT g, const void* dy, const void* x, float r,
                                    float* HWY_RESTRICT partial, void* dx, int64_t n, float* HWY_RESTRICT gdy_row,
-                                   float* HWY_RESTRICT xhat_row, [[maybe_unused]] bool hardware_bf16) {
+                                   float* HWY_RESTRICT xhat_row, bool hardware_bf16) {
   const hn::ScalableTag<float> d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const auto vr = hn::Set(d, r);
-  auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
-  // GdyXhatDotT's term for elements k.., its products kept.
-  auto at = [&](int64_t k) {
-    const auto vdy = LoadF32<kT>(d, dy, k);
-    const auto xhat = hn::Mul(LoadF32<kT>(d, x, k), vr);
-    const auto gdy = hn::Mul(hn::LoadU(d, g + k), vdy);
-    if constexpr (kAccumulate) hn::StoreU(hn::MulAdd(vdy, xhat, hn::LoadU(d, partial + k)), d, partial + k);
-    hn::Store(gdy, d, gdy_row + k);
-    hn::Store(xhat, d, xhat_row + k);
-    return hn::Mul(gdy, xhat);
-  };
-  AccumulateInFourT(d, n, at, a0, a1, a2, a3);  // no tail: n is whole vector pairs
-  const float dot = hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
+  const float dot = GdyXhatDotT<kT, kAccumulate, true>(g, dy, x, r, partial, n, gdy_row, xhat_row);
   const auto vm = hn::Set(d, detail::row_mean(dot, n));
   // DxRowT's step on the kept products.
   auto dx_at = [&](int64_t k) {
     return hn::Mul(vr, hn::NegMulAdd(hn::Load(d, xhat_row + k), vm, hn::Load(d, gdy_row + k)));
   };
-#if HWY_TARGET != HWY_SCALAR
-  if constexpr (kT == DType::kBFloat16) {
-    for (int64_t k = 0; k < n; k += 2 * N)
-      leanstep::simd::HWY_NAMESPACE::StoreBF16x2(d, dx_at(k), dx_at(k + N), static_cast<uint16_t*>(dx) + k,
-                                                 hardware_bf16);
-    return;
-  }
-#endif
-  for (int64_t k = 0; k < n; k += N) StoreF32<kT>(d, dx_at(k), dx, k);
+  StoreRowVectorsT<kT>(d, n, dx_at, dx, hardware_bf16);  // no tail: n is whole vector pairs
 }
 
 // dx of whole chunks of rows; `partial`: the dgamma partial of the chunk (trainable), or null.
