@@ -188,6 +188,22 @@ void norm_clip(const PlanView& plan, double max_norm, const Tensor& out_norm, do
 // In place grads *= scale (1-element fp32 backend scalar), computed in fp32.
 void scale(const PlanView& plan, const Tensor& scale);
 
+// Megatron's float path: Megatron-Core without Transformer Engine returns the grad
+// norm as a Python float and decides the clip on the host. These keep that path's
+// double arithmetic, bit for bit, with the values in backend memory (host memory:
+// on the CPU the calling thread plays the device), for callers that must not read
+// them back (a grad norm kept where the step left it).
+//  - The norm: `out_norm` (1-element fp64) = double(`total`) ** `exponent`, as
+//    Python's float power computes it (the C library's pow), `total` the
+//    all-reduced fp32 sum of p-th powers (1-element) and `exponent` = 1 / p.
+//  - The clip coefficient: the double max_norm / (norm + 1e-6), rounded to fp32,
+//    where it is below 1; 1 otherwise (a NaN norm too: that path then scales nothing).
+void float_path_norm(const Tensor& total, double exponent, const Tensor& out_norm);
+float float_path_clip_coefficient(double total_norm, double max_norm);
+// `out_coeff` (1-element fp32) = float_path_clip_coefficient of `total_norm`
+// (1-element fp64). Returns whether the path scales (the coefficient is below 1).
+bool float_path_clip_coefficient(const Tensor& total_norm, double max_norm, const Tensor& out_coeff);
+
 // sum over views of (numel - count_nonzero) into `out_count` (1-element int64);
 // SUM all-reduced with `comm`.
 void count_zeros(const PlanView& plan, const Tensor& out_count, comm::Communicator* comm = nullptr);

@@ -303,6 +303,20 @@ class GradPlan:
             return
         self._core.scale(view(scale))
 
+    def float_path_clip_(self, max_norm, total_norm):
+        """Megatron's float-path clip with its norm in backend memory: every grad
+        ``*= fp32(max_norm / (norm + 1e-6))`` where that double is below 1, nothing
+        otherwise (a NaN norm too), ``total_norm`` a 1-element fp64 array
+        (grad::float_path_clip_coefficient). The CPU kernels only: there the
+        coefficient is read from memory by the calling thread, which plays the
+        device (a device plan computes it with its own ops)."""
+        self._check_in_place("float_path_clip_")
+        if self.backend != "cpu":
+            raise Error(f"GradPlan.float_path_clip_: the CPU kernels' op (this plan is on the "
+                        f"{self.backend!r} backend)")
+        self._settle("scale")
+        self._core.float_path_clip(view(total_norm), float(max_norm))
+
     def count_zeros(self, *, out=None):
         """Sum over the grads of (numel - count_nonzero), a 1-element int64 array."""
         self._check_current("count_zeros")

@@ -228,6 +228,19 @@ void bind_grad(nb::module_& m) {
           },
           nb::arg("scale"))
       .def(
+          "float_path_clip",
+          // Megatron's float-path clip with its norm in backend memory: the coefficient
+          // from that memory (grad::float_path_clip_coefficient), the grads scaled through
+          // the grad.scale op where it is below 1 (the float path scales nothing otherwise).
+          [](const grad::Plan& p, InArray total_norm, double max_norm) {
+            const Tensor nt = to_tensor(total_norm, "total_norm");
+            float coeff = 1.0f;
+            const Tensor ct(&coeff, DType::kFloat32, {1});
+            nb::gil_scoped_release release;
+            if (grad::float_path_clip_coefficient(nt, max_norm, ct)) ops::grad_scale(p, ct);
+          },
+          nb::arg("total_norm"), nb::arg("max_norm"))
+      .def(
           "count_zeros",
           [](const grad::Plan& p, OutArray out_count) {
             const Tensor ct = to_tensor(out_count, "out_count");
@@ -244,6 +257,13 @@ void bind_grad(nb::module_& m) {
       nb::arg("meta"), nb::arg("dtype"), nb::arg("where"), nb::arg("arg"),
       "The rule of a 1-element backend scalar, on metadata (the device backends' outputs).");
 
+  m.def(
+      "grad_float_path_norm",
+      [](InArray total, double exponent, OutArray out_norm) {
+        const Tensor tt = to_tensor(total, "total"), nt = to_tensor(out_norm, "out_norm");
+        grad::float_path_norm(tt, exponent, nt);
+      },
+      nb::arg("total"), nb::arg("exponent"), nb::arg("out_norm"));
   m.def(
       "grad_check_max_norm",
       [](double max_norm, const std::string& where) { grad::check_max_norm(max_norm, where); },

@@ -144,6 +144,32 @@ void scale(const PlanView& plan, const Tensor& scale) {
   fused_pass(plan, NormKind::kNone, 2.0, scale.data_as<const float>(), false);
 }
 
+void float_path_norm(const Tensor& total, double exponent, const Tensor& out_norm) {
+  static constexpr const char* kWhere = "grad::float_path_norm";
+  detail::check_scalar(total, DType::kFloat32, kWhere, "total");
+  detail::check_scalar(out_norm, DType::kFloat64, kWhere, "out_norm");
+  LEANSTEP_CHECK_ARG(std::isfinite(exponent) && exponent > 0, kWhere, "exponent",
+                     fmt::format("must be finite and > 0, 1 / norm_type (got {})", exponent));
+  // Python's float ** for a base >= 0 (or NaN, inf) and a finite exponent > 0 is
+  // the C library's pow; a fp32 total widens to double exactly.
+  *out_norm.data_as<double>() = std::pow(static_cast<double>(*total.data_as<const float>()), exponent);
+}
+
+float float_path_clip_coefficient(double total_norm, double max_norm) {
+  const double coeff = max_norm / (total_norm + 1.0e-6);
+  return coeff < 1.0 ? static_cast<float>(coeff) : 1.0f;  // NaN compares false: 1
+}
+
+bool float_path_clip_coefficient(const Tensor& total_norm, double max_norm, const Tensor& out_coeff) {
+  static constexpr const char* kWhere = "grad::float_path_clip_coefficient";
+  detail::check_max_norm(max_norm, kWhere);
+  detail::check_scalar(total_norm, DType::kFloat64, kWhere, "total_norm");
+  detail::check_scalar(out_coeff, DType::kFloat32, kWhere, "out_coeff");
+  const float coeff = float_path_clip_coefficient(*total_norm.data_as<const double>(), max_norm);
+  *out_coeff.data_as<float>() = coeff;
+  return coeff < 1.0f;
+}
+
 void count_zeros(const PlanView& plan, const Tensor& out_count, comm::Communicator* comm) {
   detail::check_scalar(out_count, DType::kInt64, "grad::count_zeros", "out_count");
   const auto& chunks = plan.chunks();

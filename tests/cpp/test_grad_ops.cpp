@@ -288,6 +288,51 @@ TEST(GradOps, ClipByOneIsBitIdenticalAndNanNormPropagates) {
   }
 }
 
+// Megatron's float path in double: the norm is pow(double(total), 1/p) (Python's
+// float ** is the C library's pow) and the coefficient max_norm / (norm + 1e-6) in
+// double, rounded once to fp32 where below 1, else 1 (NaN included). Compared
+// bitwise with those expressions on fresh random values over many binades and the
+// edges; a quotient just below 1 that rounds to 1.0f gives 1 (scaling by it is the
+// identity either way).
+TEST(GradOps, FloatPathNormAndClipCoefficientAreTheDoubleArithmetic) {
+  std::mt19937_64 rng(test_seed());
+  std::uniform_real_distribution<double> exponent10(-40.0, 38.0), unit(0.0, 1.0);
+  std::vector<float> totals = {0.0f, 1e-45f, std::numeric_limits<float>::max(), std::numeric_limits<float>::infinity(),
+                               std::numeric_limits<float>::quiet_NaN()};
+  for (int i = 0; i < 300; ++i) totals.push_back(static_cast<float>(std::pow(10.0, exponent10(rng))));
+  for (double p : {2.0, 1.0, 3.0, 0.5, 1.7}) {
+    for (float total : totals) {
+      Scalar t(DType::kFloat32, total), out(DType::kFloat64);
+      grad::float_path_norm(t.t(), 1.0 / p, out.t());
+      const double expected = std::pow(static_cast<double>(total), 1.0 / p);
+      if (std::isnan(expected)) EXPECT_TRUE(std::isnan(out.get()));
+      else EXPECT_EQ(out.get(), expected) << "p " << p << " total " << total;
+    }
+  }
+  std::vector<double> norms = {0.0, 1e-300, kInf, kNaN, 14.820119090219713, 0.999999};
+  for (int i = 0; i < 300; ++i) norms.push_back(std::pow(10.0, 16.0 * unit(rng) - 8.0));
+  for (double max_norm : {0.0, 0.559911975193751, 1.0, 5.0 * unit(rng), 1e30}) {
+    for (double norm : norms) {
+      const double quotient = max_norm / (norm + 1.0e-6);
+      const float expected = quotient < 1.0 ? static_cast<float>(quotient) : 1.0f;
+      EXPECT_EQ(grad::float_path_clip_coefficient(norm, max_norm), expected) << max_norm << " " << norm;
+      Scalar n(DType::kFloat64, norm), coeff;
+      EXPECT_EQ(grad::float_path_clip_coefficient(n.t(), max_norm, coeff.t()), expected < 1.0f);
+      EXPECT_EQ(coeff.get(), static_cast<double>(expected));
+    }
+  }
+  Scalar f32, f64(DType::kFloat64);
+  Buffer two(DType::kFloat64, {2});
+  EXPECT_LEANSTEP_ERROR(grad::float_path_norm(f64.t(), 0.5, f64.t()), "'total'");
+  EXPECT_LEANSTEP_ERROR(grad::float_path_norm(f32.t(), 0.5, f32.t()), "'out_norm'");
+  EXPECT_LEANSTEP_ERROR(grad::float_path_norm(f32.t(), 0.0, f64.t()), "'exponent' must be finite and > 0");
+  EXPECT_LEANSTEP_ERROR(grad::float_path_norm(f32.t(), kInf, f64.t()), "'exponent'");
+  EXPECT_LEANSTEP_ERROR(grad::float_path_clip_coefficient(f64.t(), kNaN, f32.t()), "'max_norm'");
+  EXPECT_LEANSTEP_ERROR(grad::float_path_clip_coefficient(f32.t(), 1.0, f32.t()), "'total_norm'");
+  EXPECT_LEANSTEP_ERROR(grad::float_path_clip_coefficient(two.view(), 1.0, f32.t()), "'total_norm'");
+  EXPECT_LEANSTEP_ERROR(grad::float_path_clip_coefficient(f64.t(), 1.0, f64.t()), "'out_coeff'");
+}
+
 TEST(GradOps, CountZerosCountsEachListing) {
   std::mt19937_64 rng(test_seed());
   for (DType dtype : float_dtypes()) {

@@ -900,6 +900,60 @@ def test_the_clip_factor_is_the_float_paths_near_fp32_rounding_boundaries(patche
                                                                  dtype=torch.float64))[0]) == 1.0
 
 
+def test_the_native_float_path_is_pythons_double_arithmetic(rng):
+    """grad::float_path_norm and the float-path clip of the CPU kernels, against
+    Python's own float arithmetic (what Megatron's float path computes), bit for bit:
+    fresh random totals and norms over many binades, the edges (0, subnormal, the
+    largest fp32, inf, NaN) and the rounding-boundary norms of the test above."""
+    from leanstep._grad import GradPlan
+
+    def f32(x):
+        return float(np.float32(x))
+
+    totals = [f32(x) for x in 10.0 ** rng.uniform(-40, 38, 200)]
+    totals += [0.0, f32(1e-45), float(np.finfo(np.float32).max), math.inf, math.nan]
+    for p in (2.0, 1.0, 3.0, 0.5, 1.7):
+        for total in totals:
+            out = torch.empty((), dtype=torch.float64)
+            leanstep._leanstep.grad_float_path_norm(torch.tensor([total]), 1.0 / p, out)
+            expected = total ** (1.0 / p)
+            assert struct.pack("<d", float(out)) == struct.pack("<d", expected) or (
+                math.isnan(expected) and math.isnan(float(out))), (p, total)
+            torch_path = lm_grad.host_float_pow(torch.tensor([total]), 1.0 / p)
+            assert torch.equal(torch_path, out) or (math.isnan(expected) and torch_path.isnan())
+
+    norms = [float(x) for x in 10.0 ** rng.uniform(-8, 8, 200)]
+    norms += [0.0, 1e-300, math.inf, math.nan, 14.820119090219713]
+    for max_norm in [0.0, 0.559911975193751, 1.0, float(rng.uniform(0.1, 5.0)), 1e30]:
+        for norm in norms:
+            quotient = max_norm / (norm + 1.0e-6)
+            expected = np.float32(quotient) if quotient < 1.0 else np.float32(1.0)
+            grads = [torch.ones(5), torch.ones(3)]
+            GradPlan(grads).float_path_clip_(max_norm, torch.tensor([norm], dtype=torch.float64))
+            assert all(torch.equal(g, torch.full_like(g, float(expected))) for g in grads), \
+                (max_norm, norm)
+            device = lm_grad.host_float_clip_scale(max_norm, torch.tensor(norm, dtype=torch.float64))
+            assert float(device[0]) == float(expected)
+
+    # Bad input: named, before any grad is written.
+    grads = [torch.ones(4)]
+    plan = GradPlan(grads)
+    for args, match in [((math.nan, torch.tensor([1.0], dtype=torch.float64)), "max_norm"),
+                        ((-1.0, torch.tensor([1.0], dtype=torch.float64)), "max_norm"),
+                        ((1.0, torch.tensor([1.0])), "total_norm.*float64"),
+                        ((1.0, torch.zeros(2, dtype=torch.float64)), "total_norm.*1 element")]:
+        with pytest.raises(leanstep.Error, match=match):
+            plan.float_path_clip_(*args)
+        assert torch.equal(grads[0], torch.ones(4))
+    for args, match in [((torch.tensor([1.0], dtype=torch.float64), 0.5), "total.*float32"),
+                        ((torch.tensor([1.0]), 0.0), "exponent"),
+                        ((torch.tensor([1.0]), math.inf), "exponent")]:
+        with pytest.raises(leanstep.Error, match=match):
+            leanstep._leanstep.grad_float_path_norm(*args, torch.empty((), dtype=torch.float64))
+    with pytest.raises(leanstep.Error, match="out_norm.*float64"):
+        leanstep._leanstep.grad_float_path_norm(torch.tensor([1.0]), 0.5, torch.empty(()))
+
+
 # ---------------------------------------------------------------- runtime switch
 
 
