@@ -16,17 +16,19 @@ import numpy as np
 from . import _leanstep, _registry
 from ._leanstep import Error
 from ._rules import check_scalar
-from ._arrays import Native, dtype_name, is_torch, native, torch_module, view, zeros
+from ._arrays import Native, dtype_name, empty, is_torch, native, torch_module, view, zeros
 
 __all__ = ["GradPlan", "multi_tensor_scale", "build_ddp_buffers", "ddp_grad_buffers", "model_params"]
 
 INF = float("inf")
 
 
-def _scalar(dtype, like):
+def _scalar(dtype, like, zeroed=True):
+    """A 1-element array in like's framework; ``zeroed=False`` for an output the
+    kernel writes whole (a norm): no zero fill, one framework op fewer a call."""
     if like is None:
         return np.zeros(1, dtype=dtype)
-    return zeros((1,), dtype, like)
+    return zeros((1,), dtype, like) if zeroed else empty((1,), dtype, like)
 
 
 def _as_scalar_array(value, like, arg):
@@ -179,10 +181,10 @@ class GradPlan:
         _registry.record(name, backend, self._device.type, why)
         return backend, plan
 
-    def _new_scalar(self, dtype):
+    def _new_scalar(self, dtype, zeroed=True):
         if self.backend != "cpu":
             return self._torch_plan.scalar(getattr(torch_module(), dtype))
-        return _scalar(dtype, self._like)
+        return _scalar(dtype, self._like, zeroed)
 
     # -- operations
     def norm(self, norm_type=2.0, inv_scale=None, *, out=None, found_inf=None):
@@ -230,7 +232,7 @@ class GradPlan:
             out = plan.norm(norm_type, None if out is None else view(out), found_inf,
                             None if inv_scale is None else _maybe_view(inv_scale))
             return out, found_inf
-        out = self._new_scalar("float32") if out is None else view(out)
+        out = self._new_scalar("float32", zeroed=False) if out is None else view(out)
         if inv_scale is None:
             self._core.norm(out, norm_type, found_inf)
         elif isinstance(inv_scale, numbers.Real):
