@@ -853,6 +853,26 @@ def test_a_float_returning_version_reads_nothing(patched, no_collectives):
     assert "get_grad_norm_fp32" not in lm.report()["host_reads"]
 
 
+def test_the_native_norm_is_device_memory_where_the_grads_are(patched, no_collectives):
+    """On the CPU kernels the float path's norm is written by a native call, outside
+    torch's dispatcher: where the CPU stands in for a device, DeviceMemory still counts
+    it as the device memory it would be there, so a read of it is a device read."""
+    from leanstep.audit import DeviceMemory
+
+    stand_in = torch.device("cpu")
+    memory = DeviceMemory(stand_in)
+    with memory:
+        grads = [torch.randn(50, device=stand_in), torch.randn(7, device=stand_in)]
+        norm = optimizer.get_grad_norm_fp32(grads)
+        host_norm = optimizer.get_grad_norm_fp32([torch.randn(5)])
+        assert memory.holds(norm) and not memory.holds(host_norm)
+        with leanstep.audit(device_memory=memory) as a:
+            norm.item()
+        assert a.num_device_reads == 1
+    expected = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    assert abs(float(norm) - expected) <= 1e-6 * expected
+
+
 @pytest.mark.parametrize("max_norm", [1e-3, 0.5, 3.0, 1e9])
 def test_clip_by_a_device_double_norm_is_the_float_path_bitwise(max_norm, patched, torch_gen):
     # The installed code clips by max_norm / (norm + 1e-6) in double, only when below 1.

@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from .. import _dispatch
+from .. import _arrays, _dispatch
 from .. import _leanstep
 from .._leanstep import grads_and_key, selected_grads_and_key
 from .._plans import PlanCache, as_list, grads_with_key
@@ -99,7 +99,10 @@ def _make_get_grad_norm_fp32(original, spec):
         # float: the same double, computed on the device (see host_float_pow); on the
         # CPU kernels by one native call (torch's three ops cost 20-70 us there).
         if plan.backend == "cpu":
-            out = torch.empty((), dtype=torch.float64)
+            # Made like `total` (_arrays.empty): where the CPU stands in for a device,
+            # leanstep.audit.DeviceMemory counts this output, written outside torch's
+            # dispatcher, as the device memory it would be there.
+            out = _arrays.empty((), "float64", total)
             _leanstep.grad_float_path_norm(total, 1.0 / p, out)
             return out
         return host_float_pow(total, 1.0 / p)
