@@ -19,7 +19,10 @@ outside the timer. Cases:
   leanstep's dx) at the host-bound job's [64, 64], forward + backward.
 - MoE permute + unpermute, forward + backward, bf16: 128 tokens, H 256, 8
   experts, top-2 (the main job) and 4096 tokens, H 2048, 16 experts, top-8.
-  Peer: Megatron-Core's moe_utils.permute / unpermute.
+  Peer: Megatron-Core's moe_utils.permute / unpermute. And the host-bound
+  job's calls through the patches (permute with probs, unpermute without; 64
+  tokens, H 64, 16 experts, top-8) under each CPU setting of
+  leanstep.megatron.moe.cpu_kernels.
 - The grad functions over 3168 fresh views (16 fp32 elements each) of one
   buffer, a fresh list of fresh view objects per call as Megatron's
   distributed optimizer builds them (made outside the timer):
@@ -270,6 +273,52 @@ def bench_moe(table, args):
                           rounds, calls)
         table.case("moe", f"permute+unpermute fwd+bwd T{tokens_n} H{hidden} E{experts} "
                    f"top{topk}", results, "megatron moe_utils")
+    if DEVICE.type == "cpu":
+        bench_moe_patches(table, args)
+
+
+def bench_moe_patches(table, args):
+    """The host-bound job's MoE calls through the Megatron patches, on the CPU:
+    permute with probs, the experts' weighting, unpermute without (64 tokens,
+    H 64, 16 experts, top-8, bf16, forward + backward), under each setting of
+    leanstep.megatron.moe.cpu_kernels against Megatron's own functions."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    from leanstep.megatron import moe as lm_moe
+
+    rounds, calls = (args.rounds, 20) if not args.quick else (3, 3)
+    tokens_n, hidden, experts, topk = 64, 64, 16, 8
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randn(tokens_n, hidden, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    scores = torch.rand(tokens_n, experts, generator=g)
+    routing_map = torch.zeros(tokens_n, experts, dtype=torch.bool).scatter_(
+        1, scores.topk(topk, dim=1).indices, True)
+    probs = torch.where(routing_map, scores, 0.0).to(torch.bfloat16).requires_grad_(True)
+    num_out = int(routing_map.sum())
+    dout = torch.randn(tokens_n, hidden, dtype=torch.bfloat16, generator=g)
+    lm.uninstall()
+    original = {name: getattr(moe_utils, name) for name in ("permute", "unpermute")}
+    lm.install(["permute", "unpermute"])
+    patched = {name: getattr(moe_utils, name) for name in ("permute", "unpermute")}
+
+    def job_calls(functions, setting):
+        def run(_):
+            lm_moe.cpu_kernels(setting)
+            out = functions["permute"](tokens, routing_map, probs=probs, num_out_tokens=num_out)
+            weighted = out[0] * out[1].unsqueeze(-1)
+            functions["unpermute"](weighted, out[2], tokens.shape).backward(dout)
+        return run
+
+    previous = lm_moe.cpu_kernels()
+    try:
+        results = measure({"megatron moe_utils": job_calls(original, previous),
+                           "leanstep patch, auto (default)": job_calls(patched, "auto"),
+                           "leanstep patch, all leanstep": job_calls(patched, True)},
+                          rounds, calls)
+    finally:
+        lm_moe.cpu_kernels(previous)
+        lm.uninstall()
+    table.case("moe", f"patched job calls fwd+bwd T{tokens_n} H{hidden} E{experts} top{topk}",
+               results, "megatron moe_utils")
 
 
 # ---------------------------------------------------------------- grad functions

@@ -62,8 +62,8 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(autouse=True)
 def _moe_cpu_kernels(request, monkeypatch):
-    """The Megatron MoE patches hand CPU calls back to Megatron by default
-    (leanstep.megatron.moe.cpu_kernels); the tests run leanstep's kernels through
+    """The Megatron MoE patches hand CPU unpermutes and chunk sorts back to Megatron
+    by default (leanstep.megatron.moe.cpu_kernels); the tests run leanstep's kernels through
     them, in this process and in the workers it starts, unless a test is marked
     ``moe_cpu_default``."""
     if request.node.get_closest_marker("moe_cpu_default") is None:
@@ -84,4 +84,4 @@ def _forget_moe_cpu_setting():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "moe_cpu_default: run with the MoE patches' CPU default "
-                                       "(Megatron's own functions)")
+                                       "(leanstep's permute, Megatron's unpermute)")

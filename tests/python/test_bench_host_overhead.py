@@ -32,6 +32,9 @@ def test_the_megatron_cases_run_and_give_a_row_per_variant():
     variants = {(r["bench"], r["case"], r["variant"]) for r in rows}
     assert ("moe", "permute+unpermute fwd+bwd T128 H256 E8 top2", "megatron moe_utils") in variants
     assert ("moe", "permute+unpermute fwd+bwd T128 H256 E8 top2", "leanstep.torch") in variants
+    job = "patched job calls fwd+bwd T64 H64 E16 top8"
+    assert {v for b, c, v in variants if c == job} == {
+        "megatron moe_utils", "leanstep patch, auto (default)", "leanstep patch, all leanstep"}
     for name in ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32"):
         case = f"{name} 3168 fresh views"
         assert {v for b, c, v in variants if c == case} == {

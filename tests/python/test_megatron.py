@@ -518,10 +518,11 @@ def test_a_num_out_tokens_off_the_routed_count_is_the_same_async_check_on_cpu(pa
 
 
 @pytest.mark.moe_cpu_default
-def test_cpu_calls_go_to_megatron_by_default(patched, torch_gen, monkeypatch):
+def test_cpu_calls_by_default_permute_on_leanstep_and_the_rest_on_megatron(patched, torch_gen,
+                                                                          monkeypatch):
     from leanstep.megatron import moe as moe_patches
 
-    assert moe_patches.cpu_kernels() is False  # the default, with the environment unset
+    assert moe_patches.cpu_kernels() == "auto"  # the default, with the environment unset
     T, E, k, H = 16, 4, 2, 8
     routing_map, probs = routing(T, E, k, torch_gen)
     num_out = int(routing_map.sum())
@@ -531,20 +532,27 @@ def test_cpu_calls_go_to_megatron_by_default(patched, torch_gen, monkeypatch):
     theirs = ORIGINALS["permute"](tokens, routing_map, probs, num_out)
     for a, b in zip(ours, theirs):
         assert (a is None and b is None) or torch.equal(a, b)
-    token_dispatcher.unpermute(ours[0], ours[2], tokens.shape, routing_map=routing_map)
+    # Megatron's unpermute takes leanstep's row order as its own.
+    restored = token_dispatcher.unpermute(ours[0], ours[2], tokens.shape, routing_map=routing_map)
+    assert torch.equal(restored, ORIGINALS["unpermute"](theirs[0], theirs[2], tokens.shape,
+                                                         routing_map=routing_map))
     split = torch.tensor([num_out // 2, num_out - num_out // 2])
     token_dispatcher.sort_chunks_by_idxs(ours[0], split, torch.tensor([1, 0]))
     calls = lm.report()["calls"]
-    for name in ("permute", "unpermute", "sort_chunks_by_idxs"):
+    assert calls["permute"]["leanstep"] == 1 and calls["permute"]["delegated"] == {}
+    for name in ("unpermute", "sort_chunks_by_idxs"):
         assert calls[name]["leanstep"] == 0, name
         assert calls[name]["delegated"] == {moe_patches.CPU_DELEGATED: 1}, name
 
-    # Switched on (by the call, then by the environment): leanstep's kernels run.
+    # All on Megatron's, then all on leanstep's (by the call, then by the environment).
+    assert moe_patches.cpu_kernels(False) == "auto"
+    token_dispatcher.permute(tokens, routing_map, probs, num_out)
+    assert lm.report()["calls"]["permute"]["delegated"] == {moe_patches.CPU_DELEGATED: 1}
     assert moe_patches.cpu_kernels(True) is False
     try:
-        token_dispatcher.permute(tokens, routing_map, probs, num_out)
-        assert lm.report()["calls"]["permute"]["leanstep"] == 1
-        with pytest.raises(TypeError, match="'enabled' must be True, False or None"):
+        token_dispatcher.unpermute(ours[0], ours[2], tokens.shape, routing_map=routing_map)
+        assert lm.report()["calls"]["unpermute"]["leanstep"] == 1
+        with pytest.raises(TypeError, match="'enabled' must be True, False, 'auto' or None"):
             moe_patches.cpu_kernels("yes")
     finally:
         moe_patches.cpu_kernels(False)
@@ -556,12 +564,16 @@ def test_cpu_calls_go_to_megatron_by_default(patched, torch_gen, monkeypatch):
     moe_patches._cpu_kernels = None  # as if never read
     lm.install()
     assert moe_patches.cpu_kernels() is True
+    monkeypatch.setenv("LEANSTEP_MEGATRON_MOE_CPU", "Megatron ")
+    moe_patches._cpu_kernels = None
+    assert moe_patches.cpu_kernels("auto") is False  # read, then replaced by the call
+    assert moe_patches.cpu_kernels() == "auto"
     monkeypatch.setenv("LEANSTEP_MEGATRON_MOE_CPU", "fast")
     token_dispatcher.permute(tokens, routing_map, probs, num_out)  # not read again
     moe_patches._cpu_kernels = None
-    with pytest.raises(leanstep.Error, match="LEANSTEP_MEGATRON_MOE_CPU must be 'megatron'"):
+    with pytest.raises(leanstep.Error, match="LEANSTEP_MEGATRON_MOE_CPU must be 'auto'"):
         lm.install()  # refused before anything is patched anew
-    with pytest.raises(leanstep.Error, match="LEANSTEP_MEGATRON_MOE_CPU must be 'megatron'"):
+    with pytest.raises(leanstep.Error, match="LEANSTEP_MEGATRON_MOE_CPU must be 'auto'"):
         token_dispatcher.permute(tokens, routing_map, probs, num_out)
 
 

@@ -31,19 +31,31 @@ if "moe" in _leanstep.areas:  # a build without the moe area has no MoE patches 
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 ALIAS_MODULES = ("megatron.core.transformer.moe.token_dispatcher",)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_BOOL = (torch.bool,)
+_INDICES = (torch.int64, torch.int32)
+_ROWS_MESSAGE = "leanstep permute: num_out_tokens must equal the routed count"
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-# On CPU tensors the patches hand the call back to Megatron's own function by
-# default. Measured in the main job (`python -m leanstep.megatron.train`, 256
-# tokens per rank, hidden 256, 8 experts, fp32, this project's 2-core CI
-# machine): with leanstep's kernels the permute + unpermute + sort_chunks phase
-# took 11-13 ms a step against Megatron's 8-9 ms. Forward calls were at parity;
-# the backward calls each cost 100-200 us more inside a training step than
-# the same calls in a loop (Python autograd functions and the call into the
-# extension, with cold caches), where Megatron's backward is a few C++ autograd
-# nodes. Megatron's CPU path is stable and reads nothing it does not need on
-# the host, so nothing is lost.
+# On CPU tensors the patches run leanstep's permute and hand unpermute and
+# sort_chunks_by_idxs (where it moves rows) back to Megatron's own functions by
+# default. Megatron's unpermute (no probs) is three aten ops with C++ autograd
+# nodes; leanstep's is one native call each way behind a Python autograd
+# Function, whose own cost (about 20 us forward + backward) is more than the
+# kernels'. Measured (one thread, 2-core VM, torch 2.15, megatron-core 0.16.1,
+# 64 tokens, hidden 64, 16 experts, top-8, bf16, forward + backward, 60
+# alternating rounds; `bench/host_overhead.py` has the same calls): Megatron's
+# permute 1.49x leanstep's time [1.40, 1.59], Megatron's unpermute 0.90x
+# [0.82, 0.96]. Megatron's permute builds the row order with masked_select over
+# the transposed map and gathers with index_select; leanstep's is one pass over
+# the map and the rows. The two are drop-ins for each other (the same row
+# order): a leanstep permute feeds a Megatron unpermute exactly.
+#
+# An earlier measurement (the main job, 256 tokens per rank, hidden 256, 8
+# experts, fp32) had every leanstep call slower inside a training step than in
+# a loop (11-13 ms a step against Megatron's 8-9 ms), before the patches took
+# the usual CPU call in one pass (about 20 us less per call) and before
+# leanstep's kernels' lean entry.
 #
 # Device tensors take leanstep's path where Megatron's permute syncs: 0.16's
 # selects the routed tokens with masked_select, whose output size the host must
@@ -62,43 +74,50 @@ _CPU_ENV = "LEANSTEP_MEGATRON_MOE_CPU"
 # read once (a per-call read of os.environ cost more than the rest of the path
 # that hands the call back).
 _cpu_kernels = None
+AUTO = "auto"
+# What each setting hands back to Megatron on the CPU (patch names).
+_CPU_DELEGATIONS = {AUTO: frozenset({"unpermute", "sort_chunks_by_idxs"}),
+                    True: frozenset(),
+                    False: frozenset({"permute", "unpermute", "sort_chunks_by_idxs"})}
+_cpu_delegated_ops = None  # the setting's entry of _CPU_DELEGATIONS, once read
 
 
 def cpu_kernels(enabled=None):
-    """Whether the MoE patches run leanstep's C++ kernels on CPU tensors
-    (``False`` by default: Megatron's own functions, which are faster there; see
-    docs/megatron-cpu.md). ``cpu_kernels(True)`` or ``LEANSTEP_MEGATRON_MOE_CPU=leanstep``
-    (read once, when the patches are installed or first called) switches them on
-    (tests, benchmarks); ``cpu_kernels(False)`` off. Returns the setting in force
-    before the call."""
-    global _cpu_kernels
+    """Which MoE patches run leanstep's C++ kernels on CPU tensors. ``"auto"``
+    (the default): permute on leanstep's, unpermute and sort_chunks_by_idxs on
+    Megatron's own functions, whichever measured faster there (see above and
+    docs/megatron-cpu.md). ``True`` (or ``LEANSTEP_MEGATRON_MOE_CPU=leanstep``)
+    runs leanstep's kernels in all three (tests, benchmarks), ``False`` (or
+    ``=megatron``) none. The environment is read once, when the patches are
+    installed or first called. Returns the setting in force before the call."""
+    global _cpu_kernels, _cpu_delegated_ops
     previous = _cpu_kernels_enabled()
     if enabled is not None:
-        if not isinstance(enabled, bool):
-            raise TypeError(f"cpu_kernels: argument 'enabled' must be True, False or None "
-                            f"(got {enabled!r})")
+        if not (isinstance(enabled, bool) or enabled == AUTO):
+            raise TypeError(f"cpu_kernels: argument 'enabled' must be True, False, 'auto' or "
+                            f"None (got {enabled!r})")
         _cpu_kernels = enabled
+        _cpu_delegated_ops = _CPU_DELEGATIONS[enabled]
     return previous
 
 
 def _cpu_kernels_enabled():
-    global _cpu_kernels
     if _cpu_kernels is None:
-        _cpu_kernels = _cpu_kernels_from_environment()
+        _cpu_kernels_from_environment()
     return _cpu_kernels
 
 
 def _cpu_kernels_from_environment():
     """The setting of LEANSTEP_MEGATRON_MOE_CPU; also makes it the one in force
     (used on install, and by tests that change the environment)."""
-    global _cpu_kernels
+    global _cpu_kernels, _cpu_delegated_ops
     value = os.environ.get(_CPU_ENV, "").strip().lower()
-    if value in ("", "megatron"):
-        _cpu_kernels = False
-    elif value == "leanstep":
-        _cpu_kernels = True
-    else:
-        raise _leanstep.Error(f"{_CPU_ENV} must be 'megatron' (the default) or 'leanstep' (got {value!r})")
+    settings = {"": AUTO, AUTO: AUTO, "megatron": False, "leanstep": True}
+    if value not in settings:
+        raise _leanstep.Error(f"{_CPU_ENV} must be 'auto' (the default), 'megatron' or "
+                              f"'leanstep' (got {value!r})")
+    _cpu_kernels = settings[value]
+    _cpu_delegated_ops = _CPU_DELEGATIONS[_cpu_kernels]
     return _cpu_kernels
 
 
@@ -156,11 +175,13 @@ def _device_delegated(tensor, with_probs=False):
     return not (with_probs and _megatron_syncs_in("unpermute"))
 
 
-def _cpu_delegated(tensor):
-    """Whether this call goes back to Megatron as a CPU call, checked first and
-    cheaply (the call's other checks would only add to Megatron's own time)."""
-    enabled = _cpu_kernels if _cpu_kernels is not None else _cpu_kernels_enabled()
-    return not enabled and type(tensor) in _PLAIN and tensor.is_cpu
+def _cpu_delegated(tensor, name):
+    """Whether this call of patch `name` goes back to Megatron as a CPU call,
+    checked first and cheaply (the call's other checks would only add to
+    Megatron's own time)."""
+    if _cpu_kernels is None:
+        _cpu_kernels_from_environment()
+    return name in _cpu_delegated_ops and type(tensor) in _PLAIN and tensor.is_cpu
 
 
 def _why_not(tensors):
@@ -205,14 +226,32 @@ def _host_rows(num_out_tokens, device):
     return int(num_out_tokens)
 
 
+def _cpu_call(tensor, dtypes=_DTYPES):
+    """A plain CPU tensor of one of `dtypes`: what the CPU kernels take as is."""
+    return type(tensor) in _PLAIN and tensor.is_cpu and tensor.dtype in dtypes
+
+
 def _make_permute(original, spec, five_tuple=False):
     def run(tokens, routing_map, probs, num_out_tokens, fused, drop_and_pad, call_original):
         if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return None, call_original()
-        if _cpu_delegated(tokens):
+        if _cpu_delegated(tokens, spec.name):
             _patching.count(spec.name, reason=CPU_DELEGATED)
             return None, call_original()
+        if (not fused and not drop_and_pad and _cpu_call(tokens) and tokens.dim() == 2
+                and _cpu_call(routing_map, _BOOL) and (probs is None or _cpu_call(probs))):
+            # The usual call (plain CPU tensors, a boolean map, no padding), decided in one
+            # pass: the checks below, each of which it passes, cost as much again as
+            # leanstep's forward. 0.16's plain path emits every routed pair (no row count);
+            # 0.19's emits num_out_tokens rows, which must be the routed count: the
+            # general path's asynchronous check, as on a device.
+            rows = _host_rows(num_out_tokens, tokens.device) if five_tuple else None
+            if not five_tuple or rows is not None:
+                _patching.count(spec.name, "cpu", "cpu")
+                if rows is not None:
+                    torch._assert_async(routing_map.sum() == rows, _ROWS_MESSAGE)
+                return lt.permute(tokens, routing_map, probs, rows, False), None
         if not fused and _device_delegated(tokens):
             _patching.count(spec.name, reason=DEVICE_DELEGATED)
             return None, call_original()
@@ -244,8 +283,7 @@ def _make_permute(original, spec, five_tuple=False):
             if rows is not None:
                 # Where the original would truncate or fill with unrouted tokens. The same
                 # asynchronous check on every device: a CPU run reads no more than a device run.
-                torch._assert_async(routing_map.sum() == rows,
-                                    "leanstep permute: num_out_tokens must equal the routed count")
+                torch._assert_async(routing_map.sum() == rows, _ROWS_MESSAGE)
         tokens = tokens if tokens.is_contiguous() else tokens.contiguous()
         routing_map = routing_map if routing_map.is_contiguous() else routing_map.contiguous()
         if probs is not None and not probs.is_contiguous():
@@ -283,9 +321,15 @@ def _make_unpermute(original, spec, with_pad_offsets=False):
         if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return call_original()
-        if _cpu_delegated(permuted_tokens):
+        if _cpu_delegated(permuted_tokens, spec.name):
             _patching.count(spec.name, reason=CPU_DELEGATED)
             return call_original()
+        if (not fused and pad_offsets is None and probs is None and _cpu_call(permuted_tokens)
+                and permuted_tokens.dim() == 2 and _cpu_call(sorted_indices, _INDICES)):
+            # The usual call (plain CPU tensors, probs applied by the experts), decided in
+            # one pass, as permute's.
+            _patching.count(spec.name, "cpu", "cpu")
+            return lt.unpermute(permuted_tokens, sorted_indices, tuple(restore_shape))
         if not fused and _device_delegated(permuted_tokens, probs is not None):
             _patching.count(spec.name, reason=DEVICE_DELEGATED)
             return call_original()
@@ -386,7 +430,7 @@ def _make_sort_chunks_by_idxs(original, spec):
             _patching.count(spec.name, input.device.type, "identity_order")
             return (input.clone(memory_format=torch.contiguous_format),
                     None if probs is None else probs.clone(memory_format=torch.contiguous_format))
-        if _cpu_delegated(input):
+        if _cpu_delegated(input, spec.name):
             _patching.count(spec.name, reason=CPU_DELEGATED)
             return original(input, split_sizes, sorted_idxs, probs, fused)
         reason = "fused" if fused else None
