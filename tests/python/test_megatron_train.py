@@ -163,6 +163,8 @@ def test_aa_condition_is_the_baseline_again_with_an_interval_over_runs(tmp_path)
     (["--ep", "2,1"], 5, 10, 5, [2]),           # the first size given
     (["--crossover-ep", "1,2"], 5, 10, 5, [1, 2]),
     (["--cycles", "7"], 5, 10, 7, [1]),         # balanced exactly, and longer
+    # make demo's host-bound design: baseline, all and the A/A, 12 runs of 3 cycles
+    (["--conditions", "all,baseline", "--runs", "12", "--cycles", "3"], 3, 12, 3, [1]),
 ])
 def test_default_design_is_balanced(argv, conditions, runs, cycles, crossover_eps):
     ap = main_job.build_parser()
@@ -173,16 +175,16 @@ def test_default_design_is_balanced(argv, conditions, runs, cycles, crossover_ep
     plan = leanstep.crossover_plan(list(main_job.crossover_conditions(args)), args.runs,
                                    args.block_steps, args.warmup, cycles=args.cycles,
                                    exclude_after_transition=args.exclude_after_transition)
-    # Transitions: every condition follows every other equally often (4 conditions, 4
-    # cycles; 5 conditions, 7 cycles), or within one of the mean (5 conditions, 5 cycles:
-    # 11 to 13 times).
+    # Transitions: every condition follows every other equally often (3 conditions, any
+    # cycles; 4 conditions, 4 cycles; 5 conditions, 7 cycles), or within one of the mean
+    # (5 conditions, 5 cycles: 11 to 13 times).
     follows = {}
     for run in plan["runs"]:
         for a, b in zip(run["blocks"], run["blocks"][1:]):
             follows[a, b] = follows.get((a, b), 0) + 1
     assert len(follows) == conditions * (conditions - 1)
     assert plan["carryover_balanced"] == (len(set(follows.values())) == 1)
-    assert plan["carryover_balanced"] == (conditions == 4 or cycles == 7)
+    assert plan["carryover_balanced"] == (conditions in (3, 4) or cycles == 7)
     mean = sum(follows.values()) / len(follows)
     assert all(abs(n - mean) <= 1 for n in follows.values()), follows
 
@@ -197,7 +199,14 @@ def test_bad_arguments_are_named_before_any_rank_starts(tmp_path):
                           (["--crossover-ep", "2", "--ep", "1"],
                            "argument --crossover-ep: each size must be one of --ep"),
                           (["--topk", "9"], "argument --topk: must be <= --experts"),
-                          (["--phases", "nope"], "argument --phases: must name")]:
+                          (["--phases", "nope"], "argument --phases: must name"),
+                          (["--conditions", "all"], "argument --conditions: must name baseline"),
+                          (["--conditions", "baseline,fast"],
+                           "argument --conditions: must name baseline"),
+                          (["--conditions", "baseline,all,all"],
+                           "argument --conditions: must name baseline"),
+                          (["--conditions", "baseline,all", "--runs", "10"],
+                           "argument --runs: must be a multiple of 3")]:
         done = subprocess.run([sys.executable, "-m", "leanstep.megatron.train", *args,
                                "--out", str(tmp_path / "x")], env=env, capture_output=True,
                               text=True, timeout=120)

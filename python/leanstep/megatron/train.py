@@ -92,7 +92,7 @@ def apply_config(ap, args):
 
 
 def crossover_conditions(args):
-    return CONDITIONS + ((AA_CONDITION,) if args.aa else ())
+    return tuple(args.condition_list) + ((AA_CONDITION,) if args.aa else ())
 
 
 def crossover_at(args, ep):
@@ -173,6 +173,11 @@ def build_parser():
     g.add_argument("--runs", type=int, default=None,
                    help="runs of the plan, a multiple of the conditions (default 10, or 8 with "
                         "--no-aa: two Williams squares; each run starts from the same state)")
+    g.add_argument("--conditions", default=",".join(CONDITIONS),
+                   help="the conditions the crossover compares, comma-separated, from "
+                        f"{', '.join(CONDITIONS)}: baseline and at least one more (default "
+                        "all four; the host-bound configuration of make demo compares "
+                        "baseline and all, with more pairs per run)")
     g.add_argument("--aa", action=argparse.BooleanOptionalAction, default=True,
                    help=f"an A/A condition ({AA_CONDITION!r}: the baseline again) in the "
                         "crossover; its result against the baseline shows what noise alone "
@@ -235,6 +240,12 @@ def check_args(ap, args):
         except ValueError:
             bad(flag, "must be comma-separated integers", text)
 
+    chosen = [c.strip() for c in str(args.conditions).split(",") if c.strip()]
+    if (any(c not in CONDITIONS for c in chosen) or len(set(chosen)) != len(chosen)
+            or "baseline" not in chosen or len(chosen) < 2):
+        bad("--conditions", f"must name baseline and at least one of "
+                            f"{', '.join(CONDITIONS[1:])}, each once", args.conditions)
+    args.condition_list = [c for c in CONDITIONS if c in chosen]  # the usual order
     conditions = crossover_conditions(args)
     for name in ("nproc", "hidden", "layers", "heads", "kv_heads", "experts", "topk", "moe_ffn",
                  "seq", "micro_batch", "microbatches", "lora_rank", "block_steps", "cycles",
