@@ -316,8 +316,8 @@ class GradPlan:
         if self.backend != "cpu":
             raise Error(f"GradPlan.float_path_clip_: the CPU kernels' op (this plan is on the "
                         f"{self.backend!r} backend)")
-        self._settle("scale")
-        self._core.float_path_clip(view(total_norm), float(max_norm))
+        if self._core.float_path_clip(view(total_norm), float(max_norm)):
+            self._settle("scale")  # counted where a scale ran: a coefficient of 1 scales nothing
 
     def count_zeros(self, *, out=None):
         """Sum over the grads of (numel - count_nonzero), a 1-element int64 array."""

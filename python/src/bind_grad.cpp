@@ -232,12 +232,15 @@ void bind_grad(nb::module_& m) {
           // Megatron's float-path clip with its norm in backend memory: the coefficient
           // from that memory (grad::float_path_clip_coefficient), the grads scaled through
           // the grad.scale op where it is below 1 (the float path scales nothing otherwise).
+          // Returns whether they were scaled (the caller counts a grad.scale call then).
           [](const grad::Plan& p, InArray total_norm, double max_norm) {
             const Tensor nt = to_tensor(total_norm, "total_norm");
             float coeff = 1.0f;
             const Tensor ct(&coeff, DType::kFloat32, {1});
             nb::gil_scoped_release release;
-            if (grad::float_path_clip_coefficient(nt, max_norm, ct)) ops::grad_scale(p, ct);
+            const bool scales = grad::float_path_clip_coefficient(nt, max_norm, ct);
+            if (scales) ops::grad_scale(p, ct);
+            return scales;
           },
           nb::arg("total_norm"), nb::arg("max_norm"))
       .def(

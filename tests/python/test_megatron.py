@@ -937,7 +937,11 @@ def test_the_native_float_path_is_pythons_double_arithmetic(rng):
     Python's own float arithmetic (what Megatron's float path computes), bit for bit:
     fresh random totals and norms over many binades, the edges (0, subnormal, the
     largest fp32, inf, NaN) and the rounding-boundary norms of the test above."""
+    from leanstep import _backend
     from leanstep._grad import GradPlan
+
+    def _scale_calls():
+        return _backend.calls().get("grad.scale", {}).get("cpu", {}).get("cpu", 0)
 
     def f32(x):
         return float(np.float32(x))
@@ -961,9 +965,13 @@ def test_the_native_float_path_is_pythons_double_arithmetic(rng):
             quotient = max_norm / (norm + 1.0e-6)
             expected = np.float32(quotient) if quotient < 1.0 else np.float32(1.0)
             grads = [torch.ones(5), torch.ones(3)]
+            scales_before = _scale_calls()
             GradPlan(grads).float_path_clip_(max_norm, torch.tensor([norm], dtype=torch.float64))
             assert all(torch.equal(g, torch.full_like(g, float(expected))) for g in grads), \
                 (max_norm, norm)
+            # A grad.scale call is counted where one ran: not for a coefficient of 1.
+            scaled = bool(quotient < 1.0)
+            assert _scale_calls() == scales_before + scaled, (max_norm, norm)
             device = lm_grad.host_float_clip_scale(max_norm, torch.tensor(norm, dtype=torch.float64))
             assert float(device[0]) == float(expected)
 

@@ -18,8 +18,7 @@ import weakref
 
 import torch
 
-from .. import _arrays, _dispatch
-from .. import _leanstep
+from .. import _arrays, _dispatch, _leanstep
 from .._leanstep import grads_and_key, selected_grads_and_key
 from .._plans import PlanCache, as_list, grads_with_key
 from . import _patching
