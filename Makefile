@@ -158,7 +158,8 @@ endif
 # A/A), the arms the host-path issue judges, in 12 runs of 3 cycles: 72 timed steps of
 # each (60 with all five conditions in 10 runs), 4 runs of each at every matched position
 # (2), closer in time (a cycle of 6 steps, not 10), in 20 steps a run, not 32, so that
-# `make demo` fits 12 minutes in this VM's slow state too. The default job above keeps the per-family arms. About 2 minutes a line.
+# `make demo` fits 12 minutes in this VM's slow state too. The default job above keeps
+# the per-family arms. About 2 minutes a line.
 HOST_BOUND := --config host-bound --phases crossover --ep 1 --conditions baseline,all \
 	--runs 12 --cycles 3
 demo-host-bound: python python312

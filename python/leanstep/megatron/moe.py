@@ -44,9 +44,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # Function, whose own cost (about 20 us forward + backward) is more than the
 # kernels'. Measured (one thread, 2-core VM, torch 2.15, megatron-core 0.16.1,
 # 64 tokens, hidden 64, 16 experts, top-8, bf16, forward + backward, 60
-# alternating rounds; `bench/host_overhead.py` has the same calls): Megatron's
-# permute 1.49x leanstep's time [1.40, 1.59], Megatron's unpermute 0.90x
-# [0.82, 0.96]. Megatron's permute builds the row order with masked_select over
+# alternating rounds; `bench/host_overhead.py` times the job's pattern of these
+# calls through the patches): Megatron's permute 1.49x leanstep's time [1.40,
+# 1.59], Megatron's unpermute 0.90x [0.82, 0.96]. Megatron's permute builds the row order with masked_select over
 # the transposed map and gathers with index_select; leanstep's is one pass over
 # the map and the rows. The two are drop-ins for each other (the same row
 # order): a leanstep permute feeds a Megatron unpermute exactly.
@@ -79,7 +79,6 @@ AUTO = "auto"
 _CPU_DELEGATIONS = {AUTO: frozenset({"unpermute", "sort_chunks_by_idxs"}),
                     True: frozenset(),
                     False: frozenset({"permute", "unpermute", "sort_chunks_by_idxs"})}
-_cpu_delegated_ops = None  # the setting's entry of _CPU_DELEGATIONS, once read
 
 
 def cpu_kernels(enabled=None):
@@ -90,14 +89,13 @@ def cpu_kernels(enabled=None):
     runs leanstep's kernels in all three (tests, benchmarks), ``False`` (or
     ``=megatron``) none. The environment is read once, when the patches are
     installed or first called. Returns the setting in force before the call."""
-    global _cpu_kernels, _cpu_delegated_ops
+    global _cpu_kernels
     previous = _cpu_kernels_enabled()
     if enabled is not None:
         if not (isinstance(enabled, bool) or enabled == AUTO):
             raise TypeError(f"cpu_kernels: argument 'enabled' must be True, False, 'auto' or "
                             f"None (got {enabled!r})")
         _cpu_kernels = enabled
-        _cpu_delegated_ops = _CPU_DELEGATIONS[enabled]
     return previous
 
 
@@ -110,14 +108,13 @@ def _cpu_kernels_enabled():
 def _cpu_kernels_from_environment():
     """The setting of LEANSTEP_MEGATRON_MOE_CPU; also makes it the one in force
     (used on install, and by tests that change the environment)."""
-    global _cpu_kernels, _cpu_delegated_ops
+    global _cpu_kernels
     value = os.environ.get(_CPU_ENV, "").strip().lower()
     settings = {"": AUTO, AUTO: AUTO, "megatron": False, "leanstep": True}
     if value not in settings:
         raise _leanstep.Error(f"{_CPU_ENV} must be 'auto' (the default), 'megatron' or "
                               f"'leanstep' (got {value!r})")
     _cpu_kernels = settings[value]
-    _cpu_delegated_ops = _CPU_DELEGATIONS[_cpu_kernels]
     return _cpu_kernels
 
 
@@ -179,9 +176,8 @@ def _cpu_delegated(tensor, name):
     """Whether this call of patch `name` goes back to Megatron as a CPU call,
     checked first and cheaply (the call's other checks would only add to
     Megatron's own time)."""
-    if _cpu_kernels is None:
-        _cpu_kernels_from_environment()
-    return name in _cpu_delegated_ops and type(tensor) in _PLAIN and tensor.is_cpu
+    setting = _cpu_kernels if _cpu_kernels is not None else _cpu_kernels_from_environment()
+    return name in _CPU_DELEGATIONS[setting] and type(tensor) in _PLAIN and tensor.is_cpu
 
 
 def _why_not(tensors):
@@ -226,6 +222,14 @@ def _host_rows(num_out_tokens, device):
     return int(num_out_tokens)
 
 
+def _assert_routed_rows(routing_map, rows):
+    """0.19's permute emits `rows` rows, truncating or filling with unrouted
+    tokens where that is not the routed count; leanstep's does not, so the two
+    must agree. The same asynchronous check on every device: a CPU run reads no
+    more than a device run."""
+    torch._assert_async(routing_map.sum() == rows, _ROWS_MESSAGE)
+
+
 def _cpu_call(tensor, dtypes=_DTYPES):
     """A plain CPU tensor of one of `dtypes`: what the CPU kernels take as is."""
     return type(tensor) in _PLAIN and tensor.is_cpu and tensor.dtype in dtypes
@@ -244,13 +248,12 @@ def _make_permute(original, spec, five_tuple=False):
             # The usual call (plain CPU tensors, a boolean map, no padding), decided in one
             # pass: the checks below, each of which it passes, cost as much again as
             # leanstep's forward. 0.16's plain path emits every routed pair (no row count);
-            # 0.19's emits num_out_tokens rows, which must be the routed count: the
-            # general path's asynchronous check, as on a device.
+            # 0.19's emits num_out_tokens rows, which must be the routed count.
             rows = _host_rows(num_out_tokens, tokens.device) if five_tuple else None
             if not five_tuple or rows is not None:
                 _patching.count(spec.name, "cpu", "cpu")
                 if rows is not None:
-                    torch._assert_async(routing_map.sum() == rows, _ROWS_MESSAGE)
+                    _assert_routed_rows(routing_map, rows)
                 return lt.permute(tokens, routing_map, probs, rows, False), None
         if not fused and _device_delegated(tokens):
             _patching.count(spec.name, reason=DEVICE_DELEGATED)
@@ -281,9 +284,7 @@ def _make_permute(original, spec, five_tuple=False):
             elif rows is None and num_out_tokens is not None:
                 rows = int(num_out_tokens)  # a device count: the one read the original pays too
             if rows is not None:
-                # Where the original would truncate or fill with unrouted tokens. The same
-                # asynchronous check on every device: a CPU run reads no more than a device run.
-                torch._assert_async(routing_map.sum() == rows, _ROWS_MESSAGE)
+                _assert_routed_rows(routing_map, rows)
         tokens = tokens if tokens.is_contiguous() else tokens.contiguous()
         routing_map = routing_map if routing_map.is_contiguous() else routing_map.contiguous()
         if probs is not None and not probs.is_contiguous():
