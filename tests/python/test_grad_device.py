@@ -146,6 +146,71 @@ def test_a_re_pointed_or_resized_grad_is_refused(backend, change):
         plan.clip_(1.0, torch.ones(1))
 
 
+def _bound_twice(cache, make_grads):
+    """A cached torch-op plan bound to a second fresh list of the same views (a
+    cache hit, as each step of Megatron's loop), and that list."""
+    cache.get(make_grads())
+    grads = make_grads()
+    plan, reason = cache.get(grads, in_place=True)
+    assert reason is None and plan.backend == "torch"
+    return plan, grads
+
+
+@pytest.mark.parametrize("dname", sorted(FLOATS))
+@pytest.mark.parametrize("case", ["whole_buffer", "buffer_with_a_tail", "two_d_buffer",
+                                  "offset_view"])
+def test_a_cached_plan_binds_a_whole_buffer_as_its_region_and_only_that(dname, case, torch_gen):
+    # The cache's bind takes the views' base as the one region's flat view (no storage
+    # object, no as_strided) only where that base is exactly the region's memory;
+    # otherwise the general bind. Either way the scale is the CPU kernels' bit for bit,
+    # and memory outside the views is never written.
+    from leanstep._plans import PlanCache
+
+    n, numel = 37, 5  # odd sizes
+    owner = torch.randn(n * numel + 11, generator=torch_gen).to(FLOATS[dname])
+    start = 0
+    if case == "whole_buffer":
+        base = owner[: n * numel].clone()
+    elif case == "buffer_with_a_tail":
+        base = owner  # the views leave 11 elements out: the region is not the base
+    elif case == "two_d_buffer":
+        base = owner[: n * numel].clone().view(n, numel)
+    else:
+        base, start = owner, 3  # views of a view: their root is larger than the region
+
+    def views_of(tensor):
+        flat = tensor.detach().view(-1)[start:]
+        return [flat[i * numel:(i + 1) * numel] for i in range(n)]
+
+    cache = PlanCache()
+    cache.backend = "torch"
+    plan, grads = _bound_twice(cache, lambda: views_of(base))
+    (view,) = plan._torch_plan.views
+    assert (view is grads[0]._base) == (case == "whole_buffer"), case
+    assert view.data_ptr() == grads[0].data_ptr() and view.numel() == n * numel
+    expected = base.detach().clone()
+    leanstep.GradPlan(views_of(expected)).scale_(0.37)  # the CPU kernels
+    plan.scale_(0.37)
+    assert_bitwise(base.detach(), expected)  # outside the views too: untouched
+
+
+def test_a_whole_buffer_bind_still_finds_a_re_pointed_view():
+    # The key fixes every view's address: a list whose views moved to another buffer
+    # of the same size gets a new plan, never the first buffer as its region.
+    from leanstep._plans import PlanCache
+
+    first, second = torch.ones(40), torch.full((40,), 2.0)
+    cache = PlanCache()
+    cache.backend = "torch"
+    _bound_twice(cache, lambda: list(first.split(8)))
+    grads = list(second.split(8))
+    plan, _ = cache.get(grads, in_place=True)
+    (view,) = plan._torch_plan.views
+    assert view.data_ptr() == second.data_ptr()
+    plan.scale_(0.5)
+    assert torch.equal(first, torch.ones(40)) and torch.equal(second, torch.ones(40))
+
+
 # ---------------------------------------------------------------- what a device's kernels lack
 
 
