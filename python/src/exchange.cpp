@@ -265,9 +265,40 @@ class IsNegCall {
   PyCFunction method_ = nullptr;
 };
 
+// The grads found, in order: a list allocated for every param up front, each
+// grad's reference moved in (no append call, no second reference to take and
+// drop), its size the count so far. Where the param list grew meanwhile (a
+// getter that ran Python), it appends past the allocation.
+class GradList {
+ public:
+  explicit GradList(Py_ssize_t capacity) : capacity_(capacity) {
+    PyObject* list = PyList_New(capacity);
+    if (list == nullptr) throw nb::python_error();
+    Py_SET_SIZE(list, 0);  // empty, with room for `capacity` items
+    list_ = nb::steal(list);
+  }
+
+  void add(nb::object grad) {
+    PyObject* list = list_.ptr();
+    const Py_ssize_t size = PyList_GET_SIZE(list);
+    if (size < capacity_) {
+      PyList_SET_ITEM(list, size, grad.release().ptr());
+      Py_SET_SIZE(list, size + 1);
+    } else if (PyList_Append(list, grad.ptr()) != 0) {
+      throw nb::python_error();
+    }
+  }
+
+  const nb::object& list() const { return list_; }
+
+ private:
+  nb::object list_;
+  Py_ssize_t capacity_;
+};
+
 // Appends getattr(param, name, None) to `grads` and `key` unless it is None;
 // false when the grad cannot be described (the caller answers None).
-bool add_grad(PyObject* param, AttrGetter& get_grad, KeyBuilder& key, nb::list& grads) {
+bool add_grad(PyObject* param, AttrGetter& get_grad, KeyBuilder& key, GradList& grads) {
   PyObject* grad = get_grad.get(param);
   if (grad == nullptr) {
     if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw nb::python_error();
@@ -277,7 +308,7 @@ bool add_grad(PyObject* param, AttrGetter& get_grad, KeyBuilder& key, nb::list& 
   nb::object owned = nb::steal(grad);
   if (grad == Py_None) return true;
   if (!key.add(grad)) return false;
-  grads.append(owned);
+  grads.add(std::move(owned));
   return true;
 }
 
@@ -308,7 +339,7 @@ nb::object grads_and_key(nb::handle params, nb::str name, nb::object flag, nb::h
   if (!PyList_Check(seq) && !PyTuple_Check(seq))
     throw nb::type_error("grads_and_key: argument 'params' must be a list or tuple");
   const bool filtered = !flag.is_none();
-  nb::list grads;
+  GradList grads(PySequence_Fast_GET_SIZE(seq));
   KeyBuilder key(static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)));
   AttrGetter get_grad(name.ptr());
   // A param's attributes may run Python (a property) that changes a list: its size
@@ -329,7 +360,7 @@ nb::object grads_and_key(nb::handle params, nb::str name, nb::object flag, nb::h
     if (!add_grad(param.ptr(), get_grad, key, grads)) return nb::none();
   }
   nb::object out = key.result();
-  return nb::make_tuple(grads, out[0], out[1]);
+  return nb::make_tuple(grads.list(), out[0], out[1]);
 }
 
 // (grads, hash, key) of the params a caller's cached selection counts, or False
@@ -350,7 +381,7 @@ nb::object selected_grads_and_key(nb::handle params, nb::str name, nb::bytes ids
   const char* id_bytes = ids.c_str();
   const auto* counts = reinterpret_cast<const unsigned char*>(counted.c_str());
   if (static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) != n_ids) return nb::bool_(false);
-  nb::list grads;
+  GradList grads(static_cast<Py_ssize_t>(n_ids));
   KeyBuilder key(n_ids);
   AttrGetter get_grad(name.ptr());
   // As in grads_and_key, a getter may run Python that changes the list: its size
@@ -367,7 +398,7 @@ nb::object selected_grads_and_key(nb::handle params, nb::str name, nb::bytes ids
   }
   if (static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) != n_ids) return nb::bool_(false);
   nb::object out = key.result();
-  return nb::make_tuple(grads, out[0], out[1]);
+  return nb::make_tuple(grads.list(), out[0], out[1]);
 }
 
 }  // namespace

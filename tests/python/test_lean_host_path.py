@@ -5,6 +5,7 @@ calls (hooks, autocast, offload, the weight's requires_grad, a negated view,
 re-pointed grads) must be seen."""
 
 import struct
+import sys
 import warnings
 
 import pytest
@@ -433,6 +434,33 @@ def test_grads_and_key_survives_a_list_changed_during_the_pass():
         p.grad = torch.ones(2)
     out, _, _ = _leanstep.grads_and_key(params, "grad", "flag", counted, skipped)
     assert len(out) == 1
+
+
+def test_grads_and_key_takes_a_list_grown_during_the_pass():
+    # The grads' list is allocated for the params the pass starts with; a property that
+    # appends params mid-pass makes it append past that, every grad in order, once.
+    counted, skipped = object(), object()
+    params = []
+
+    class Growing(torch.nn.Parameter):
+        @property
+        def flag(self):
+            if len(params) < 6:
+                extra = torch.nn.Parameter(torch.zeros(2))
+                extra.grad = torch.full((2,), float(len(params)))
+                vars(extra)["flag"] = counted
+                params.append(extra)
+            return counted
+
+    params.extend(Growing(torch.zeros(2)) for _ in range(3))
+    for i, p in enumerate(params):
+        p.grad = torch.full((2,), float(-i))
+    out, h, key = _leanstep.grads_and_key(params, "grad", "flag", counted, skipped)
+    assert len(params) == 6 and [id(g) for g in out] == [id(p.grad) for p in params]
+    assert (h, key) == _leanstep.tensor_list_key(out)
+    for _ in range(3):  # the list the pass returns is a list like any other
+        out.append(out[0])
+    assert len(out) == 9 and sys.getrefcount(out[0]) > 2
 
 
 def test_selected_grads_and_key_reads_the_counted_params_of_the_named_list():
