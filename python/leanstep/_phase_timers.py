@@ -82,8 +82,11 @@ class PhaseTimers:
 
     PHASES = (RMSNORM_PHASE,)
 
-    def __init__(self, model=None):
+    def __init__(self, model=None, barrier=None):
         self.model = model
+        #: Called before the timer of a call that waits on other ranks starts (see
+        #: _timed's ``synced``), or None.
+        self.barrier = barrier
         self._totals = dict.fromkeys(self.PHASES, 0.0)
         self._depth = dict.fromkeys(self.PHASES, 0)
         self._restore = []  # (owner, attr, previous value)
@@ -104,12 +107,19 @@ class PhaseTimers:
 
     # ------------------------------------------------------------ wrapping
 
-    def _timed(self, fn, phase, autograd):
+    def _timed(self, fn, phase, autograd, synced=False):
+        """``fn`` timed into ``phase``. ``synced``: a call with a collective inside
+        (a norm's all-reduce) starts its timer after ``self.barrier`` (where set),
+        as Megatron's level-1 timers do (``barrier_with_L1_time``): otherwise the
+        time a rank waits there for a later one, the other ranks' lateness from
+        anything before, is counted as this phase's own."""
         timers = self
 
         def timed(*args, **kwargs):
             if timers._depth[phase]:  # nested: the outer call times it
                 return fn(*args, **kwargs)
+            if synced and timers.barrier is not None:
+                timers.barrier()
             span = _BackwardSpan(timers, phase) if autograd else None
             if span is not None:
                 keys = list(kwargs)
@@ -133,22 +143,24 @@ class PhaseTimers:
         timed.__wrapped__ = fn
         return timed
 
-    def _wrap(self, owner, attr, phase, autograd, label):
+    def _wrap(self, owner, attr, phase, autograd, label, synced=False):
         fn = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
         if fn is None:
             return
         self._restore.append((owner, attr, fn))
-        setattr(owner, attr, self._timed(fn, phase, autograd))
+        setattr(owner, attr, self._timed(fn, phase, autograd, synced))
         self.sites[phase].append(label)
 
-    def _wrap_functions(self, names, module_names, phase, autograd):
+    def _wrap_functions(self, names, module_names, phase, autograd, synced=()):
+        """``synced``: the names whose calls wait on other ranks (see _timed)."""
         for module_name in module_names:
             module = sys.modules.get(module_name)  # call sites that are loaded; none imported here
             if module is None:
                 continue
             for name in names:
                 if callable(getattr(module, name, None)):
-                    self._wrap(module, name, phase, autograd, f"{module_name}.{name}")
+                    self._wrap(module, name, phase, autograd, f"{module_name}.{name}",
+                               name in synced)
 
     def _wrap_norms(self, model):
         # The module's forward is wrapped per instance, not hooked: leanstep's RMSNorm

@@ -220,3 +220,49 @@ def test_the_marks_add_no_python_node_to_the_graph():
     assert all(not name.endswith("BackwardCFunction") and not name.startswith("_Mark")
                for name in timed), timed
     assert sorted(timed) == sorted(untimed + ["ViewBackward0"]), (timed, untimed)
+
+
+def test_the_grad_phases_collectives_start_their_timers_after_the_barrier(monkeypatch):
+    # As Megatron's level-1 timers with barrier_with_L1_time: the barrier (its wait for a
+    # late rank, here a sleep) runs before the timer of each call with an all-reduce
+    # inside (the norm, the zero count), not before the clip, not for a nested call, and
+    # its time is outside the phase.
+    from leanstep.megatron import grad as lm_grad
+
+    calls = []
+    mod = types.ModuleType(lm_grad.OPTIMIZER)
+
+    def get_grad_norm_fp32(grads):
+        calls.append("norm")
+        time.sleep(SLEEP)
+        return mod.count_zeros_fp32(grads)  # nested: no barrier, counted once
+
+    def clip_grad_by_total_norm_fp32(params, max_norm, total_norm):
+        calls.append("clip")
+
+    def count_zeros_fp32(params):
+        calls.append("zeros")
+        return 0
+
+    mod.get_grad_norm_fp32 = get_grad_norm_fp32
+    mod.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    mod.count_zeros_fp32 = count_zeros_fp32
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+
+    def barrier():
+        calls.append("barrier")
+        time.sleep(2 * SLEEP)
+
+    with phases.PhaseTimers(barrier=barrier) as timers:
+        mod.get_grad_norm_fp32([])
+        mod.clip_grad_by_total_norm_fp32([], 1.0, 2.0)
+        mod.count_zeros_fp32([])
+        total = timers.totals()[phases.GRAD_PHASE]
+    assert calls == ["barrier", "norm", "zeros", "clip", "barrier", "zeros"], calls
+    assert SLEEP <= total < 2 * SLEEP, total  # the norm's sleep, none of the barriers'
+    calls.clear()
+    with phases.PhaseTimers() as timers:  # no barrier: the calls alone
+        mod.get_grad_norm_fp32([])
+        mod.count_zeros_fp32([])
+    assert calls == ["norm", "zeros", "zeros"], calls
+    assert mod.get_grad_norm_fp32 is get_grad_norm_fp32

@@ -28,6 +28,14 @@ microseconds a call; identity autograd Functions, the mechanism of
 timed function, say) is counted once, by the outermost timer. The optimizer
 step as a whole is timed by the caller (:mod:`leanstep.megatron.train`).
 
+With ``barrier`` (``PhaseTimers(model, barrier=torch.distributed.barrier)``, as the
+main job runs them), the calls with an all-reduce inside (``get_grad_norm_fp32``,
+``count_zeros_fp32``, the unscale) start their timers after it, as Megatron's
+level-1 timers do with ``barrier_with_L1_time`` (Megatron-LM's default): the time a
+rank would wait there for another one, late from anything earlier in the step, is
+then not counted as this phase's. The barrier's own time lies outside every phase,
+inside the step.
+
 Install the timers after :func:`leanstep.megatron.install` and leave them before
 :func:`leanstep.megatron.uninstall`: they wrap the installed functions and put
 them back exactly on exit.
@@ -45,6 +53,10 @@ MOE_PHASE = "moe_permute_s"
 PHASES = (GRAD_PHASE, RMSNORM_PHASE, MOE_PHASE)
 
 _GRAD_FUNCTIONS = ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32")
+# The calls with an all-reduce inside, each the first of a Megatron level-1 timer
+# (optimizer-clip-main-grad, optimizer-count-zeros, optimizer-unscale-and-check-inf):
+# with a barrier, timed from it as Megatron's timers are (module docstring).
+_SYNCED_GRAD_FUNCTIONS = ("get_grad_norm_fp32", "count_zeros_fp32")
 _MOE_FUNCTIONS = ("permute", "unpermute", "sort_chunks_by_idxs")
 _MOE_CALL_SITES = ("megatron.core.transformer.moe.token_dispatcher",
                    "megatron.core.transformer.moe.moe_utils")
@@ -57,11 +69,13 @@ class PhaseTimers(_phase_timers.PhaseTimers):
 
     def __enter__(self):
         optimizer_modules = tuple(m for m in _grad.ALIAS_MODULES if m != _grad.CLIP_GRADS)
-        self._wrap_functions(_GRAD_FUNCTIONS, optimizer_modules, GRAD_PHASE, autograd=False)
+        self._wrap_functions(_GRAD_FUNCTIONS, optimizer_modules, GRAD_PHASE, autograd=False,
+                             synced=_SYNCED_GRAD_FUNCTIONS)
         opt = sys.modules.get(_grad.OPTIMIZER)
         if opt is not None and hasattr(opt, "MixedPrecisionOptimizer"):
             self._wrap(opt.MixedPrecisionOptimizer, "_unscale_main_grads_and_check_for_nan",
-                       GRAD_PHASE, False, "MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan")
+                       GRAD_PHASE, False, "MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan",
+                       synced=True)
         sites = tuple(dict.fromkeys(_MOE_CALL_SITES + tuple(_moe.ALIAS_MODULES)))
         self._wrap_functions(_MOE_FUNCTIONS, sites, MOE_PHASE, autograd=True)
         if self.model is not None:

@@ -207,6 +207,11 @@ def build_parser():
                    help="what to run, comma-separated (default crossover,audit,agreement)")
     g.add_argument("--no-pin", action="store_true",
                    help="leave the ranks unbound (by default each is bound to its own CPU)")
+    g.add_argument("--no-phase-barrier", action="store_true",
+                   help="time the grad phase's collectives without a barrier before them (by "
+                        "default a barrier precedes each, as Megatron's level-1 timers with "
+                        "barrier_with_L1_time: a rank's wait for a later one is not that "
+                        "phase's time)")
     g.add_argument("--no-grad-sync", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--quick", action="store_true",
                    help="a short run for tests: 1 run per condition order, 2-step blocks")
@@ -560,7 +565,8 @@ def run_ep(args, ep, rank, world, say):
             gc.collect()
             gc.freeze()  # everything built so far: never scanned again (0.3 s per full pass here)
             gc.disable()
-            with PhaseTimers(trainer.model) as timers:
+            barrier = None if args.no_phase_barrier else torch.distributed.barrier
+            with PhaseTimers(trainer.model, barrier=barrier) as timers:
                 trainer.timers = timers
                 try:
                     for step, (condition, block) in enumerate(steps):
@@ -831,7 +837,7 @@ def format_results(r):
                          f"positions){aa}")
         if xo:
             lines += format_design(e)
-            lines += format_phases(xo)
+            lines += format_phases(xo, barrier=not settings.get("no_phase_barrier", False))
             for what, path in e.get("plots", {}).items():
                 lines.append(f"  plot ({what}): {path}")
         if "audit" in e:
@@ -897,14 +903,16 @@ def format_design(e):
             f"balanced: {'yes' if d['carryover_balanced'] else 'no'}; {pinning}; {resolves}"]
 
 
-def format_phases(xo):
+def format_phases(xo, barrier=True):
     fields = [f for f in xo.get("fields", []) if f["field"] in PHASE_LABELS]
     if not fields:
         return []
     order = list(PHASE_LABELS)
     fields.sort(key=lambda f: order.index(f["field"]))
     lines = ["  per phase (max over ranks, summed over the step; median, paired reduction vs "
-             "baseline, 95% CI over runs):"]
+             "baseline, 95% CI over runs" + ("; the grad phase's all-reduces timed from a "
+                                             "barrier, as Megatron's level-1 timers"
+                                             if barrier else "") + "):"]
     for f in fields:
         medians = {c["condition"]: c.get("median_s") for c in f["conditions"]}
         base = medians.get("baseline")
