@@ -62,8 +62,7 @@ void forward_fused(const Tensor& x, const Tensor& gamma, const Tensor& y, const 
     leanstep::detail::parallel_chunks(s.rows, detail::rows_per_chunk(h), [&](int64_t, int64_t begin, int64_t end) {
       for (int64_t first = begin; first < end; first += block) {
         const int64_t count = std::min(block, end - first);
-        for (int64_t row = first; row < first + count; ++row)
-          rstd_out[row] = detail::inv_rms(detail::sum_squares_torch_order(row_ptr(x, row, h), x.dtype, h), h, eps);
+        detail::inv_rms_torch_order_rows(row_ptr(x, first, h), x.dtype, count, h, eps, rstd_out + first);
         scale_rows(row_ptr(x, first, h), g.data(), row_ptr_mut(y, first, h), rstd_out + first, count, h);
       }
     });

@@ -61,6 +61,11 @@ ScaleRowsKernel scale_rows_kernel(bool bf16);
 // The sum of a row's squares in torch's CPU order (SumOrder::kTorchCpu,
 // torch_order.cpp): fp32 or bf16 rows.
 float sum_squares_torch_order(const void* x, DType dtype, int64_t n);
+// rstd[i] = inv_rms of row i's sum in that order, for `rows` compact rows of `n`:
+// the same bits, the short rows faster (the fused forward's; the reference sums
+// with the function above).
+void inv_rms_torch_order_rows(const void* x, DType dtype, int64_t rows, int64_t n, float eps,
+                              float* rstd);
 ChunkKernels chunk_kernels(bool bf16);
 
 // fp32 helpers of the scratch path: out = x * r; out = g * t; dst += src.

@@ -130,11 +130,57 @@ float sum_squares(const T* x, int64_t n) {
   return total;
 }
 
+// The same sum for the rows on which the cascade never leaves level 0 (8 <= n <
+// kLevel0Below: fewer than `step` = 16 groups of 4 vectors), written out with
+// plain arrays so that the 8 lanes vectorise: each lane still adds its squares in
+// the order above, from +0, and the streams and the tail are added as there. The
+// fused forward's; the reference keeps the general form, and the tests hold the two
+// (and torch) to the same bits.
+constexpr int64_t kLevel0Below = int64_t{16} * kStreams * kTorchLanes;
+
+template <class T>
+float sum_squares_level0(const T* x, int64_t n) {
+  const Squares<T> sq{x};
+  const int64_t vectors = n / kTorchLanes;
+  const int64_t whole = vectors / kStreams * kStreams;
+  float acc[kStreams][kTorchLanes] = {};
+  for (int64_t v = 0; v < whole; v += kStreams)
+    for (int s = 0; s < kStreams; ++s)
+      for (int64_t k = 0; k < kTorchLanes; ++k) acc[s][k] += sq.at((v + s) * kTorchLanes + k);
+  for (int64_t v = whole; v < vectors; ++v)  // the vectors after the last whole group
+    for (int64_t k = 0; k < kTorchLanes; ++k) acc[0][k] += sq.at(v * kTorchLanes + k);
+  for (int s = 1; s < kStreams; ++s)
+    for (int64_t k = 0; k < kTorchLanes; ++k) acc[0][k] += acc[s][k];
+  float total = 0.0f;
+  for (int64_t i = vectors * kTorchLanes; i < n; ++i) total += sq.at(i);
+  for (int64_t k = 0; k < kTorchLanes; ++k) total += acc[0][k];
+  return total;
+}
+
 }  // namespace
 
 float sum_squares_torch_order(const void* x, DType dtype, int64_t n) {
   if (dtype == DType::kBFloat16) return sum_squares(static_cast<const uint16_t*>(x), n);
   return sum_squares(static_cast<const float*>(x), n);  // fp32 (fp16 rows come widened)
+}
+
+namespace {
+
+template <class T>
+void inv_rms_rows(const T* x, int64_t rows, int64_t n, float eps, float* rstd) {
+  if (n < kTorchLanes || n >= kLevel0Below) {
+    for (int64_t row = 0; row < rows; ++row) rstd[row] = inv_rms(sum_squares(x + row * n, n), n, eps);
+    return;
+  }
+  for (int64_t row = 0; row < rows; ++row) rstd[row] = inv_rms(sum_squares_level0(x + row * n, n), n, eps);
+}
+
+}  // namespace
+
+void inv_rms_torch_order_rows(const void* x, DType dtype, int64_t rows, int64_t n, float eps,
+                              float* rstd) {
+  if (dtype == DType::kBFloat16) return inv_rms_rows(static_cast<const uint16_t*>(x), rows, n, eps, rstd);
+  inv_rms_rows(static_cast<const float*>(x), rows, n, eps, rstd);  // fp32 (fp16 rows come widened)
 }
 
 }  // namespace leanstep::rmsnorm::detail

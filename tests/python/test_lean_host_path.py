@@ -787,8 +787,8 @@ def test_the_exact_forward_norms_decide_once_and_keep_torchs_bits(dtype, torch_g
 # Widths past each branch of torch's order: scalars (< 8), a vector tail, groups of 4
 # vectors, one and several cascade runs (>= 512 and 1024), the second level's carry
 # (>= 8192), and the widest the kernel takes (32767).
-_TORCH_ORDER_WIDTHS = [1, 2, 5, 7, 8, 9, 31, 32, 33, 64, 255, 256, 511, 512, 1000, 1024, 1056,
-                       2048, 4097, 8192, 8200, 16384, 32767]
+_TORCH_ORDER_WIDTHS = [1, 2, 5, 7, 8, 9, 16, 24, 31, 32, 33, 64, 128, 255, 256, 511, 512, 1000,
+                       1024, 1056, 2048, 4097, 8192, 8200, 16384, 32767]
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
