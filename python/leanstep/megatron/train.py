@@ -409,7 +409,17 @@ class Trainer:
         # it. On the CPU the tensors stay where they are; leanstep.audit.DeviceMemory sees the
         # move and counts them as device memory.
         model.cuda(torch.cuda.current_device())
-        self.base_checksum = base_checksum(model)
+        if bf16 or fp16:
+            # As Megatron-LM's get_model: a bf16 or fp16 model is a Float16Module, which casts
+            # every parameter to that dtype (the norms' weights too: WrappedTorchNorm makes
+            # them fp32) and the first stage's inputs; the optimizer keeps fp32 main params.
+            from megatron.core.transformer.module import Float16Module
+
+            self.bare_model = model
+            model = Float16Module(config, model)
+        else:
+            self.bare_model = model
+        self.base_checksum = base_checksum(self.bare_model)  # names as GPTModel's own
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True)
@@ -612,7 +622,7 @@ def run_ep(args, ep, rank, world, say):
     if "agreement" in args.phase_list:
         agreement(args, trainer, out_dir, rank, result, say, ep)
     result["trainable_names"] = [
-        [n, list(p.shape)] for n, p in trainer.model.module.named_parameters() if p.requires_grad]
+        [n, list(p.shape)] for n, p in trainer.bare_model.named_parameters() if p.requires_grad]
     return result
 
 
@@ -685,7 +695,7 @@ def agreement(args, trainer, out_dir, rank, result, say, ep):
                                       "loss": loss, "grad_norm": grad_norm}) + "\n")
         result[f"{condition}_losses"], result[f"{condition}_grad_norms"] = losses, norms
         result[f"{condition}_base_checksum_before"] = trainer.base_checksum
-        result[f"{condition}_base_checksum_after"] = base_checksum(trainer.model.module)
+        result[f"{condition}_base_checksum_after"] = base_checksum(trainer.bare_model)
     say(f"[ep {ep}] agreement runs done ({args.agreement_steps} steps each)")
 
 
