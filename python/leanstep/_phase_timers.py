@@ -112,7 +112,10 @@ class PhaseTimers:
         (a norm's all-reduce) starts its timer after ``self.barrier`` (where set),
         as Megatron's level-1 timers do (``barrier_with_L1_time``): otherwise the
         time a rank waits there for a later one, the other ranks' lateness from
-        anything before, is counted as this phase's own."""
+        anything before, is counted as this phase's own. Every rank must then make
+        the same synced calls in the same order (a barrier per call, on the group
+        ``self.barrier`` uses), as Megatron's optimizer does on every rank; a nested
+        call takes none."""
         timers = self
 
         def timed(*args, **kwargs):

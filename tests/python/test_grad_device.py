@@ -211,6 +211,54 @@ def test_a_whole_buffer_bind_still_finds_a_re_pointed_view():
     assert torch.equal(first, torch.ones(40)) and torch.equal(second, torch.ones(40))
 
 
+def test_the_same_key_over_another_base_takes_the_general_bind():
+    # Two lists with equal keys (the same addresses, shapes and strides), whose views'
+    # bases differ: first the views of a tensor that is exactly the region (not itself a
+    # view), then the same views taken from the larger tensor that owns the storage. The
+    # cached plan binds the first's base, and must not take the second's (11 elements
+    # longer): the general bind, and the tail never written.
+    from leanstep._plans import PlanCache
+
+    n = 40
+    owner = torch.arange(float(n + 11))
+    exact = torch.empty(0).set_(owner.untyped_storage(), 0, (n,), (1,))
+    assert exact._base is None and exact.data_ptr() == owner.data_ptr()
+    cache = PlanCache()
+    cache.backend = "torch"
+    plan, grads = _bound_twice(cache, lambda: list(exact.split(8)))
+    assert plan._torch_plan.views[0] is grads[0]._base  # exact itself
+    grads = list(owner[:n].split(8))
+    assert grads[0]._base is owner
+    plan, reason = cache.get(grads, in_place=True)
+    assert reason is None
+    (view,) = plan._torch_plan.views
+    assert view is not owner and view.numel() == n and view.data_ptr() == owner.data_ptr()
+    plan.scale_(2.0)
+    expected = torch.arange(float(n + 11))
+    expected[:n] *= 2.0
+    assert torch.equal(owner, expected)
+
+
+def test_a_base_that_requires_grad_is_never_the_regions_view():
+    # Views taken under no_grad of a leaf that requires grad: an in-place op on the leaf
+    # itself is refused where one on the grads' own region view is torch's to judge, as
+    # before the shortcut. The bind leaves such a base alone.
+    from leanstep._plans import PlanCache
+
+    base = torch.ones(40, requires_grad=True)
+
+    def views():
+        with torch.no_grad():
+            return list(base.split(8))
+
+    cache = PlanCache()
+    cache.backend = "torch"
+    plan, grads = _bound_twice(cache, views)
+    assert grads[0]._base is base
+    (view,) = plan._torch_plan.views
+    assert view is not base and view.numel() == 40 and view.data_ptr() == base.data_ptr()
+
+
 # ---------------------------------------------------------------- what a device's kernels lack
 
 

@@ -455,12 +455,19 @@ def test_grads_and_key_takes_a_list_grown_during_the_pass():
     params.extend(Growing(torch.zeros(2)) for _ in range(3))
     for i, p in enumerate(params):
         p.grad = torch.full((2,), float(-i))
+    inside = params[0].grad  # a grad moved into the list's room
+    before = sys.getrefcount(inside)
     out, h, key = _leanstep.grads_and_key(params, "grad", "flag", counted, skipped)
     assert len(params) == 6 and [id(g) for g in out] == [id(p.grad) for p in params]
     assert (h, key) == _leanstep.tensor_list_key(out)
+    past = params[5].grad  # one appended past it
+    assert sys.getrefcount(inside) == before + 1  # the list's own reference, one
+    past_refs = sys.getrefcount(past)
     for _ in range(3):  # the list the pass returns is a list like any other
         out.append(out[0])
-    assert len(out) == 9 and sys.getrefcount(out[0]) > 2
+    assert len(out) == 9
+    del out
+    assert sys.getrefcount(inside) == before and sys.getrefcount(past) == past_refs - 1
 
 
 def test_selected_grads_and_key_reads_the_counted_params_of_the_named_list():
@@ -823,12 +830,15 @@ def test_the_kernel_in_torchs_order_gives_torchs_bits(dtype, torch_gen, rng):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        x = torch.randn(64, 4096, generator=torch_gen).to(dtype)
-        w = torch.rand(4096, generator=torch_gen).to(dtype) + 0.5
-        expected, expected_rstd = torch.ops.aten._fused_rms_norm(x, [4096], w, 1e-6)
-        y, rstd = torch.empty_like(x), torch.empty(64, dtype=torch.float32)
-        _leanstep.rmsnorm_forward(x, w, y, rstd, 1e-6, sum_order="torch_cpu")
-        assert torch.equal(y, expected) and torch.equal(rstd, expected_rstd.reshape(64))
+        # and many short rows (the fused forward's blocks and threads' chunks of them)
+        for rows, width in ((64, 4096), (4096, 64), (1000, 16), (333, 24)):
+            x = torch.randn(rows, width, generator=torch_gen).to(dtype)
+            w = torch.rand(width, generator=torch_gen).to(dtype) + 0.5
+            expected, expected_rstd = torch.ops.aten._fused_rms_norm(x, [width], w, 1e-6)
+            y, rstd = torch.empty_like(x), torch.empty(rows, dtype=torch.float32)
+            _leanstep.rmsnorm_forward(x, w, y, rstd, 1e-6, sum_order="torch_cpu")
+            assert torch.equal(y, expected), (rows, width)
+            assert torch.equal(rstd, expected_rstd.reshape(rows)), (rows, width)
     finally:
         torch.set_num_threads(threads)
     with pytest.raises(ValueError, match="sum_order"):

@@ -251,7 +251,7 @@ def test_the_grad_phases_collectives_start_their_timers_after_the_barrier(monkey
 
     def barrier():
         calls.append("barrier")
-        time.sleep(2 * SLEEP)
+        time.sleep(4 * SLEEP)
 
     with phases.PhaseTimers(barrier=barrier) as timers:
         mod.get_grad_norm_fp32([])
@@ -259,7 +259,7 @@ def test_the_grad_phases_collectives_start_their_timers_after_the_barrier(monkey
         mod.count_zeros_fp32([])
         total = timers.totals()[phases.GRAD_PHASE]
     assert calls == ["barrier", "norm", "zeros", "clip", "barrier", "zeros"], calls
-    assert SLEEP <= total < 2 * SLEEP, total  # the norm's sleep, none of the barriers'
+    assert SLEEP <= total < 3 * SLEEP, total  # the norm's sleep, none of the barriers' (4 each)
     calls.clear()
     with phases.PhaseTimers() as timers:  # no barrier: the calls alone
         mod.get_grad_norm_fp32([])
