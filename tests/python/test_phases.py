@@ -134,7 +134,9 @@ def test_only_loaded_modules_are_touched(monkeypatch):
         if name.startswith("megatron"):
             monkeypatch.delitem(sys.modules, name)
     with phases.PhaseTimers() as timers:
-        assert all(not sites for sites in timers.sites.values())
+        # leanstep's own step, where loaded, is its one site outside Megatron
+        assert all(not site.startswith("megatron") for sites in timers.sites.values()
+                   for site in sites), timers.sites
     assert not any(name.startswith("megatron") for name in sys.modules)
 
 
@@ -266,3 +268,29 @@ def test_the_grad_phases_collectives_start_their_timers_after_the_barrier(monkey
         mod.count_zeros_fp32([])
     assert calls == ["norm", "zeros", "zeros"], calls
     assert mod.get_grad_norm_fp32 is get_grad_norm_fp32
+
+
+def test_leanstep_steps_own_unscale_is_in_the_grad_phase(monkeypatch):
+    # leanstep's optimizer step (fp16) shadows the unscale method on each optimizer with
+    # its sync-free version, which it calls through its module's global: that call is
+    # timed into the grad phase too, after the barrier, and put back on exit.
+    from leanstep.megatron import step as lstep
+
+    calls = []
+
+    def unscale(optimizer):
+        calls.append("unscale")
+        time.sleep(SLEEP)
+        return optimizer
+
+    def barrier():
+        calls.append("barrier")
+
+    monkeypatch.setattr(lstep, "unscale_and_check_on_device", unscale)
+    with phases.PhaseTimers(barrier=barrier) as timers:
+        assert lstep.unscale_and_check_on_device is not unscale
+        assert f"{lstep.__name__}.unscale_and_check_on_device" in timers.sites[phases.GRAD_PHASE]
+        assert lstep.unscale_and_check_on_device("opt") == "opt"
+        assert calls == ["barrier", "unscale"]
+        assert SLEEP <= timers.totals()[phases.GRAD_PHASE] < 3 * SLEEP
+    assert lstep.unscale_and_check_on_device is unscale

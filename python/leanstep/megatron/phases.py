@@ -13,7 +13,8 @@ preset) and a leanstep step are timed by the same clocks at the same places:
 - ``grad_norm_clip_s``: ``get_grad_norm_fp32``, ``clip_grad_by_total_norm_fp32``,
   ``count_zeros_fp32`` where the optimizer modules call them, and
   ``MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan`` (unscale and
-  found_inf, with a loss scaler);
+  found_inf, with a loss scaler), and leanstep's step's own unscale where it runs
+  (``unscale_and_check_on_device``, which that step puts in the method's place);
 - ``rmsnorm_s``: forward and backward of every RMSNorm module of the model
   (``torch.nn.RMSNorm`` or leanstep's drop-in), its ``forward`` wrapped per instance
   (not module hooks: leanstep's RMSNorm hands a hooked module to torch);
@@ -57,6 +58,7 @@ _GRAD_FUNCTIONS = ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_
 # (optimizer-clip-main-grad, optimizer-count-zeros, optimizer-unscale-and-check-inf):
 # with a barrier, timed from it as Megatron's timers are (module docstring).
 _SYNCED_GRAD_FUNCTIONS = ("get_grad_norm_fp32", "count_zeros_fp32")
+_STEP = "leanstep.megatron.step"  # leanstep's optimizer step, where loaded
 _MOE_FUNCTIONS = ("permute", "unpermute", "sort_chunks_by_idxs")
 _MOE_CALL_SITES = ("megatron.core.transformer.moe.token_dispatcher",
                    "megatron.core.transformer.moe.moe_utils")
@@ -76,6 +78,13 @@ class PhaseTimers(_phase_timers.PhaseTimers):
             self._wrap(opt.MixedPrecisionOptimizer, "_unscale_main_grads_and_check_for_nan",
                        GRAD_PHASE, False, "MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan",
                        synced=True)
+        # leanstep's own step (fp16: a loss scaler) shadows that method on each optimizer
+        # instance with its sync-free unscale: timed at its call site as well, so that
+        # every condition's unscale is in the phase (a nested call counts once).
+        step = sys.modules.get(_STEP)
+        if step is not None and callable(getattr(step, "unscale_and_check_on_device", None)):
+            self._wrap(step, "unscale_and_check_on_device", GRAD_PHASE, False,
+                       f"{_STEP}.unscale_and_check_on_device", synced=True)
         sites = tuple(dict.fromkeys(_MOE_CALL_SITES + tuple(_moe.ALIAS_MODULES)))
         self._wrap_functions(_MOE_FUNCTIONS, sites, MOE_PHASE, autograd=True)
         if self.model is not None:
