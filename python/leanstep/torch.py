@@ -777,24 +777,23 @@ class _LeanPath:
             return None
         next(self.tally)
         module.__dict__["last_decision"] = dict(self.decision)
-        if self.backend == "cpu" and self.exact and grad and x.requires_grad:
-            # A strided input (a k view out of a fused qkv projection) is copied inside
-            # the Function: no autograd node for the copy (its dx comes back compact, of
-            # the input's shape, which autograd takes as the view's gradient): about 2 us
-            # of 70 a call less, bf16 [64, 1, 2, 16] forward + backward, one thread.
+        exact_cpu = self.backend == "cpu" and self.exact
+        if exact_cpu:
+            # Under a dispatch mode (an audit, an op counter) torch's op, which it sees,
+            # as before the kernel took torch's order.
             torch_order = self.torch_order and not _dispatch_modes()
             if torch_order != self.torch_order:
                 module.__dict__["last_decision"]["forward_kernel"] = "torch"
-            return _LeanExactForwardRMSNorm.apply(x, w, self.eps, torch_order)
+            if grad and x.requires_grad:
+                # A strided input (a k view out of a fused qkv projection) is copied inside
+                # the Function: no autograd node for the copy (its dx comes back compact, of
+                # the input's shape, which autograd takes as the view's gradient): about
+                # 2 us of 70 a call less, bf16 [64, 1, 2, 16] forward + backward, one thread.
+                return _LeanExactForwardRMSNorm.apply(x, w, self.eps, torch_order)
         if not self.x_contiguous:  # a strided layout (q/k views) the full path decided to copy
             x = x.contiguous()
         if self.backend == "cpu":
-            if self.exact:
-                # Under a dispatch mode (an audit, an op counter) torch's op, which it sees,
-                # as before the kernel took torch's order.
-                torch_order = self.torch_order and not _dispatch_modes()
-                if torch_order != self.torch_order:
-                    module.__dict__["last_decision"]["forward_kernel"] = "torch"
+            if exact_cpu:
                 if not torch_order:
                     return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], w, self.eps)[0]
                 y = torch.empty_like(x) if x.nbytes < _POOLED_BYTES else _fresh_like(x)

@@ -157,15 +157,6 @@ float sum_squares_level0(const T* x, int64_t n) {
   return total;
 }
 
-}  // namespace
-
-float sum_squares_torch_order(const void* x, DType dtype, int64_t n) {
-  if (dtype == DType::kBFloat16) return sum_squares(static_cast<const uint16_t*>(x), n);
-  return sum_squares(static_cast<const float*>(x), n);  // fp32 (fp16 rows come widened)
-}
-
-namespace {
-
 template <class T>
 void inv_rms_rows(const T* x, int64_t rows, int64_t n, float eps, float* rstd) {
   if (n < kTorchLanes || n >= kLevel0Below) {
@@ -176,6 +167,11 @@ void inv_rms_rows(const T* x, int64_t rows, int64_t n, float eps, float* rstd) {
 }
 
 }  // namespace
+
+float sum_squares_torch_order(const void* x, DType dtype, int64_t n) {
+  if (dtype == DType::kBFloat16) return sum_squares(static_cast<const uint16_t*>(x), n);
+  return sum_squares(static_cast<const float*>(x), n);  // fp32 (fp16 rows come widened)
+}
 
 void inv_rms_torch_order_rows(const void* x, DType dtype, int64_t rows, int64_t n, float eps,
                               float* rstd) {

@@ -168,6 +168,10 @@ class TorchGradPlan:
                     group.views.append(bases[storage_index, dtype].as_strided((numel,), (1,),
                                                                               offset))
             groups.append(group)
+        self._set_groups(grads, groups)
+
+    def _set_groups(self, grads, groups):
+        """This plan over ``grads``, its regions realised as ``groups``."""
         self.grads = grads
         self.generic = [grads[index] for index in self._generic_indices]
         self.groups = groups
@@ -189,10 +193,10 @@ class TorchGradPlan:
         if self._whole_base is not None:
             flat = self._region_as_base(grads)
             if flat is not None:
-                bound = shallow_copy(self)
                 group = ViewGroup(1)
                 group.views.append(flat)
-                bound.grads, bound.generic, bound.groups, bound.views = grads, [], [group], [flat]
+                bound = shallow_copy(self)
+                bound._set_groups(grads, [group])
                 return bound
         bases = self._bases(grads)
         if bases is None:

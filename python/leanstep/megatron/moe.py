@@ -46,10 +46,11 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # 64 tokens, hidden 64, 16 experts, top-8, bf16, forward + backward, 60
 # alternating rounds; `bench/host_overhead.py` times the job's pattern of these
 # calls through the patches): Megatron's permute 1.49x leanstep's time [1.40,
-# 1.59], Megatron's unpermute 0.90x [0.82, 0.96]. Megatron's permute builds the row order with masked_select over
-# the transposed map and gathers with index_select; leanstep's is one pass over
-# the map and the rows. The two are drop-ins for each other (the same row
-# order): a leanstep permute feeds a Megatron unpermute exactly.
+# 1.59], Megatron's unpermute 0.90x [0.82, 0.96]. Megatron's permute builds the
+# row order with masked_select over the transposed map and gathers with
+# index_select; leanstep's is one pass over the map and the rows. The two are
+# drop-ins for each other (the same row order): a leanstep permute feeds a
+# Megatron unpermute exactly.
 #
 # An earlier measurement (the main job, 256 tokens per rank, hidden 256, 8
 # experts, fp32) had every leanstep call slower inside a training step than in

@@ -59,6 +59,7 @@ _GRAD_FUNCTIONS = ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_
 # with a barrier, timed from it as Megatron's timers are (module docstring).
 _SYNCED_GRAD_FUNCTIONS = ("get_grad_norm_fp32", "count_zeros_fp32")
 _STEP = "leanstep.megatron.step"  # leanstep's optimizer step, where loaded
+_STEP_UNSCALE = ("unscale_and_check_on_device",)
 _MOE_FUNCTIONS = ("permute", "unpermute", "sort_chunks_by_idxs")
 _MOE_CALL_SITES = ("megatron.core.transformer.moe.token_dispatcher",
                    "megatron.core.transformer.moe.moe_utils")
@@ -81,10 +82,8 @@ class PhaseTimers(_phase_timers.PhaseTimers):
         # leanstep's own step (fp16: a loss scaler) shadows that method on each optimizer
         # instance with its sync-free unscale: timed at its call site as well, so that
         # every condition's unscale is in the phase (a nested call counts once).
-        step = sys.modules.get(_STEP)
-        if step is not None and callable(getattr(step, "unscale_and_check_on_device", None)):
-            self._wrap(step, "unscale_and_check_on_device", GRAD_PHASE, False,
-                       f"{_STEP}.unscale_and_check_on_device", synced=True)
+        self._wrap_functions(_STEP_UNSCALE, (_STEP,), GRAD_PHASE, autograd=False,
+                             synced=_STEP_UNSCALE)
         sites = tuple(dict.fromkeys(_MOE_CALL_SITES + tuple(_moe.ALIAS_MODULES)))
         self._wrap_functions(_MOE_FUNCTIONS, sites, MOE_PHASE, autograd=True)
         if self.model is not None:

@@ -409,16 +409,14 @@ class Trainer:
         # it. On the CPU the tensors stay where they are; leanstep.audit.DeviceMemory sees the
         # move and counts them as device memory.
         model.cuda(torch.cuda.current_device())
+        self.bare_model = model
         if bf16 or fp16:
             # As Megatron-LM's get_model: a bf16 or fp16 model is a Float16Module, which casts
             # every parameter to that dtype (the norms' weights too: WrappedTorchNorm makes
             # them fp32) and the first stage's inputs; the optimizer keeps fp32 main params.
             from megatron.core.transformer.module import Float16Module
 
-            self.bare_model = model
             model = Float16Module(config, model)
-        else:
-            self.bare_model = model
         self.base_checksum = base_checksum(self.bare_model)  # names as GPTModel's own
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    overlap_grad_reduce=False,
