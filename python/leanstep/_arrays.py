@@ -136,8 +136,9 @@ class Native:
 
         call.__name__ = call.__qualname__ = name
         call.__doc__ = target.__doc__
-        if isinstance(self._target, type(_leanstep)):
-            object.__setattr__(self, name, call)  # a module's functions: looked up once
+        # Looked up once: a module's functions, and an object's methods (a GradPlan's
+        # core, whose every call would otherwise make this closure anew).
+        object.__setattr__(self, name, call)
         return call
 
 

@@ -77,20 +77,22 @@ def device_usable(device):
 def device_of(tensors, where, names=None):
     """The one device of `tensors` (None entries skipped). Mixed devices are an
     error naming both tensors; so is a device this torch build cannot run."""
-    first = first_name = None
+    def name(i):  # made for a message only
+        return names[i] if names else f"tensors[{i}]"
+
+    first = first_index = None
     for i, t in enumerate(tensors):
         if t is None:
             continue
-        name = names[i] if names else f"tensors[{i}]"
         if first is None:
-            first, first_name = t.device, name
+            first, first_index = t.device, i
             reason = device_usable(first)
             if reason is not None:
-                raise Error(f"{where}: argument '{name}' is on device {first}, which cannot run "
-                            f"here: {reason}")
+                raise Error(f"{where}: argument '{name(i)}' is on device {first}, which cannot "
+                            f"run here: {reason}")
         elif t.device != first:
-            raise Error(f"{where}: all tensors must be on one device (got '{first_name}' on "
-                        f"{first} and '{name}' on {t.device})")
+            raise Error(f"{where}: all tensors must be on one device (got '{name(first_index)}' "
+                        f"on {first} and '{name(i)}' on {t.device})")
     return first
 
 

@@ -10,6 +10,7 @@ the framework of the grads; nothing is read back to the host.
 import copy
 import math
 import numbers
+import operator
 
 import numpy as np
 
@@ -41,6 +42,45 @@ def _as_scalar_array(value, like, arg):
     return view(value)
 
 
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+def _detached(grads):
+    """view() of each grad: the list itself copied where none requires grad
+    (one C pass, not a Python call per grad); arrays without the attribute
+    (NumPy) pass as they are."""
+    grads = list(grads)
+    try:
+        if not any(map(_requires_grad, grads)):
+            return grads
+    except AttributeError:
+        pass
+    return [g.detach() if getattr(g, "requires_grad", False) else g for g in grads]
+
+
+class _ArgNames:
+    """The arguments' names, ``grads[i]``, ``buffers[j]``, then ``like``, made
+    only when an error message reads one (a list of thousands of f-strings
+    cost more than the plan's own C++ build)."""
+
+    __slots__ = ("grads", "buffers", "like")
+
+    def __init__(self, grads, buffers, like):
+        self.grads, self.buffers, self.like = grads, buffers, like
+
+    def __len__(self):
+        return self.grads + self.buffers + self.like
+
+    def __getitem__(self, i):
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        if i < self.grads:
+            return f"grads[{i}]"
+        if i < self.grads + self.buffers:
+            return f"buffers[{i - self.grads}]"
+        return "like"
+
+
 class GradPlan:
     """``plan = GradPlan(grads)``; ``norm, found_inf = plan.norm()``;
     ``plan.clip_(max_norm, norm)``; ``plan.count_zeros()``.
@@ -61,21 +101,20 @@ class GradPlan:
     tensors (tests, benchmarks); ``"triton"`` forces the Triton kernels (CPU
     tensors: under TRITON_INTERPRET=1, tests)."""
 
-    def __init__(self, grads, buffers=(), *, like=None, backend=None):
+    def __init__(self, grads, buffers=(), *, like=None, backend=None, _key=None):
         torch = torch_module()
         if torch is not None and isinstance(grads, torch.Tensor):
             grads = [grads]
-        # view() of each grad, inlined: a plan over thousands of grads is built whenever
-        # their addresses change (fresh grads each step), and this is its per-grad cost.
-        self._grads = [g.detach() if getattr(g, "requires_grad", False) else g for g in grads]
+        # A plan over thousands of grads is built whenever their addresses change (fresh
+        # grads each step, as the HF Trainer's zero_grad leaves them): its per-grad
+        # Python work is what such a step pays, so each pass below runs in C (map).
+        self._grads = _detached(grads)
         self._buffers = [view(b) for b in buffers]
         self._like = self._grads[0] if self._grads else like
         like_arg = [like] if not self._grads and is_torch(like) else []  # an empty list's device
         self.backend, self._reason = _registry.choose(
             "grad", self._grads + self._buffers + like_arg,
-            [f"grads[{i}]" for i in range(len(self._grads))]
-            + [f"buffers[{i}]" for i in range(len(self._buffers))] + ["like"] * len(like_arg),
-            backend, "GradPlan")
+            _ArgNames(len(self._grads), len(self._buffers), len(like_arg)), backend, "GradPlan")
         self._device = None
         if self.backend in ("torch", "triton"):
             device = self._grads[0].device if self._grads else (
@@ -88,7 +127,12 @@ class GradPlan:
             self._core = self._torch_plan.core
         else:
             self._core = Native(native.GradPlanCore(self._grads, self._buffers))
-        self._fingerprint = fingerprint(self._grads) if is_torch(self._like) else None
+        # `_key`: the exact key (tensor_list_key's bytes) of `grads`, where the caller
+        # (leanstep._plans.PlanCache) read it already: the same bytes fingerprint() reads.
+        # (fingerprint() of an empty list is None, whatever its key.)
+        known = _key is not None and self._grads
+        self._fingerprint = ((_key if known else fingerprint(self._grads))
+                             if is_torch(self._like) else None)
 
     # -- what the plan found
     num_tensors = property(lambda self: self._core.num_tensors)

@@ -18,7 +18,11 @@ if "grad" in _leanstep.areas:  # a build without the grad area plans nothing
 __all__ = ["PlanCache", "as_list", "grads_with_key", "EMPTY_LIKE"]
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TYPE_SET = frozenset(_PLAIN_TYPES)
+_PLAN_DTYPE_SET = frozenset(PLAN_DTYPES)
 _dtype = operator.attrgetter("dtype")
+_is_cpu = operator.attrgetter("is_cpu")
+_device = operator.attrgetter("device")
 _grad_of = operator.attrgetter("grad")
 EMPTY_LIKE = torch.empty(0)  # results of an empty grad list are torch tensors too
 
@@ -104,7 +108,7 @@ class PlanCache:
             plan = template._bound(grads, EMPTY_LIKE)
             if plan is not None:
                 return plan, None
-        plan, reason = self._build(grads)
+        plan, reason = self._build(grads, exact)
         with self._lock:
             if dict_key not in self._by_key:
                 self._order.append(dict_key)
@@ -117,20 +121,23 @@ class PlanCache:
         with self._lock:
             return len(self._by_key)
 
-    def _build(self, grads):
-        for g in grads:
-            if type(g) not in _PLAIN_TYPES:
-                return None, "tensor_subclass"
-            if g.dtype not in PLAN_DTYPES:
-                return None, "dtype"
-        if grads and len({g.device for g in grads}) > 1:
+    def _build(self, grads, exact=None):
+        """``exact``: the key's exact part, where the caller read it (the plan's
+        fingerprint). Fresh grads each step (the HF Trainer's zero_grad) build a
+        plan every call: each check is one pass in C (map), not Python per grad."""
+        if not set(map(type, grads)) <= _PLAIN_TYPE_SET:
+            return None, "tensor_subclass"
+        # The grads' dtypes, also for the callers' own dtype rules: the cache key includes
+        # every grad's dtype, so a plan found for a list has that list's dtypes.
+        dtypes = frozenset(map(_dtype, grads))
+        if not dtypes <= _PLAN_DTYPE_SET:
+            return None, "dtype"
+        if grads and not all(map(_is_cpu, grads)) and len(set(map(_device, grads))) > 1:
             return None, "mixed_devices"
         if grads and _backend.device_usable(grads[0].device) is not None:
             return None, "device_unusable"
-        plan = GradPlan(grads, like=EMPTY_LIKE, backend=self.backend)
-        # The grads' dtypes, for the callers' own dtype rules: the cache key includes every
-        # grad's dtype, so a plan found for a list has that list's dtypes (no per-call pass).
-        plan.dtypes = frozenset(map(_dtype, grads))
+        plan = GradPlan(grads, like=EMPTY_LIKE, backend=self.backend, _key=exact)
+        plan.dtypes = dtypes
         return plan, None
 
     def clear(self):

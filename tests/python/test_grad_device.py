@@ -475,3 +475,40 @@ def test_scale_by_a_number_on_random_grads_every_backend(dname, layout, torch_ge
         oracle = (source[3:].to(torch.float64) * float(torch.tensor(scale, dtype=torch.float32)))
         assert_bitwise(torch_buf[3:], oracle.to(torch.float32))
     assert_bitwise(torch_buf[:3], source[:3])  # memory outside the views is untouched
+
+
+def test_a_plan_built_for_fresh_grads_each_call_reasons_and_names_as_before():
+    # Fresh grads each step (the HF Trainer's zero_grad) build a plan every call; its
+    # checks run as passes in C over the list. The reasons the cache gives, the names
+    # an error gives, and the fingerprint a cached plan carries stay what they were.
+    from leanstep._grad import GradPlan, _ArgNames, fingerprint
+    from leanstep._plans import PlanCache, grads_with_key
+
+    cache = PlanCache()
+    plain = [torch.ones(3), torch.ones(2, dtype=torch.bfloat16)]
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert cache.get(plain + [torch.ones(3).as_subclass(Sub)])[1] == "tensor_subclass"
+    assert cache.get(plain + [torch.ones(3, dtype=torch.int32)])[1] == "dtype"
+    assert cache.get(plain + [torch.ones(3, device="meta")])[1] == "mixed_devices"
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(5)]
+    for p in params:
+        p.grad = torch.randn(4)
+    grads, key = grads_with_key(params)
+    plan, reason = cache.get(grads, key=key)
+    assert reason is None and plan._fingerprint == fingerprint(grads) == key[1]
+    assert plan.dtypes == frozenset({torch.float32})
+    params[2].grad.requires_grad_(True)  # a grad that requires grad: the plan keeps a detached view
+    plan = GradPlan([p.grad for p in params])
+    assert not any(g.requires_grad for g in plan.grads)
+    assert plan.grads[2].data_ptr() == params[2].grad.data_ptr()
+    names = _ArgNames(2, 1, 1)
+    assert [names[i] for i in range(len(names))] == ["grads[0]", "grads[1]", "buffers[0]", "like"]
+    with pytest.raises(IndexError):
+        names[4]
+    with pytest.raises(leanstep.Error, match=r"'grads\[0\]' on cpu and 'grads\[3\]' on meta"):
+        GradPlan([torch.ones(1)] * 3 + [torch.ones(1, device="meta")], backend="torch")
+    with pytest.raises(leanstep.Error, match=r"grads\[1\]"):
+        GradPlan([torch.ones(2), torch.ones(2, dtype=torch.complex64)])
