@@ -204,6 +204,16 @@ float float_path_clip_coefficient(double total_norm, double max_norm);
 // (1-element fp64). Returns whether the path scales (the coefficient is below 1).
 bool float_path_clip_coefficient(const Tensor& total_norm, double max_norm, const Tensor& out_coeff);
 
+// torch's clip (torch.nn.utils.clip_grad_norm_ given its norm): the coefficient
+// clamp(max_norm / (total_norm + 1e-6), max=1) as torch's ops compute it on an fp32
+// norm: the add (1e-6 rounded to fp32), the quotient as torch's Tensor.__rtruediv__
+// makes it (the fp32 reciprocal, then a multiply by fp32(max_norm): two roundings, not
+// a division's one), the clamp (a NaN stays NaN: the grads then become NaN, as torch's).
+// max_norm: finite, >= 0 and at most the largest fp32.
+float torch_clip_coefficient(float total_norm, double max_norm);
+// `out_coeff` (1-element fp32) = torch_clip_coefficient of `total_norm` (1-element fp32).
+void torch_clip_coefficient(const Tensor& total_norm, double max_norm, const Tensor& out_coeff);
+
 // sum over views of (numel - count_nonzero) into `out_count` (1-element int64);
 // SUM all-reduced with `comm`.
 void count_zeros(const PlanView& plan, const Tensor& out_count, comm::Communicator* comm = nullptr);

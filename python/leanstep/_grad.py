@@ -349,6 +349,19 @@ class GradPlan:
             return
         self._core.scale(view(scale))
 
+    def torch_rule_clip_(self, max_norm, total_norm):
+        """torch's clip given its norm (``torch.nn.utils.clip_grads_with_norm_``):
+        every grad ``*= clamp(max_norm / (norm + 1e-6), max=1)``, the coefficient
+        computed as torch's ops compute it on a 1-element fp32 ``total_norm``
+        (grad::torch_clip_coefficient), in one native call. The CPU kernels only,
+        as :meth:`float_path_clip_`."""
+        self._check_in_place("torch_rule_clip_")
+        if self.backend != "cpu":
+            raise Error(f"GradPlan.torch_rule_clip_: the CPU kernels' op (this plan is on the "
+                        f"{self.backend!r} backend)")
+        self._core.torch_rule_clip(view(total_norm), float(max_norm))
+        self._settle("scale")
+
     def float_path_clip_(self, max_norm, total_norm):
         """Megatron's float-path clip with its norm in backend memory: every grad
         ``*= fp32(max_norm / (norm + 1e-6))`` where that double is below 1, nothing

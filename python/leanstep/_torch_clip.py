@@ -7,9 +7,11 @@ into one region (one pass over all of them).
 What equals torch's and what does not:
 - the clip itself is torch's arithmetic: the coefficient is
   ``clamp(max_norm / (total_norm + 1e-6), max=1)`` computed by the same torch
-  ops in ``total_norm``'s dtype, and every grad is multiplied by it once (fp32
-  math, one rounding: what ``_foreach_mul_`` does). Given the same norm, the
-  clipped grads are bit-identical to torch's;
+  ops in ``total_norm``'s dtype (for an fp32 norm on the CPU kernels, the same
+  roundings in the native call that scales: grad::torch_clip_coefficient), and
+  every grad is multiplied by it once (fp32 math, one rounding: what
+  ``_foreach_mul_`` does). Given the same norm, the clipped grads are
+  bit-identical to torch's;
 - the norm is accumulated in fp32 in one order of leanstep's (torch sums each
   tensor, then the per-tensor norms, in the grads' dtype), then rounded once to
   the dtype torch returns (the promotion of the grads' dtypes). It differs from
@@ -46,6 +48,8 @@ _torch_clip_grads_with_norm_ = _torch_clip_grad._clip_grads_with_norm_
 _PLANNED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
 
 plans = PlanCache()
+
+_FP32_MAX = float(torch.finfo(torch.float32).max)
 
 #: The path and reason of the latest call of each function (what ran and why).
 last_decision = {}
@@ -150,6 +154,13 @@ def _clip_with_norm(grads, key, max_norm, total_norm, foreach, op):
         _torch_clip_grads_with_norm_([_Holder(g) for g in grads], max_norm, total_norm, foreach)
         return
     _decide(op, "leanstep", plan.backend)
+    if (plan.backend == "cpu" and type(total_norm) is torch.Tensor and total_norm.is_cpu
+            and total_norm.dtype == torch.float32 and total_norm.dim() == 0
+            and 0.0 <= max_norm <= _FP32_MAX):
+        # torch's coefficient and multiply in one native call (the ops' own arithmetic:
+        # grad::torch_clip_coefficient), the norm read where the kernels run.
+        plan.torch_rule_clip_(max_norm, total_norm)
+        return
     # torch's coefficient, by torch's own ops, in total_norm's dtype.
     coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     device = grads[0].device

@@ -244,6 +244,20 @@ void bind_grad(nb::module_& m) {
           },
           nb::arg("total_norm"), nb::arg("max_norm"))
       .def(
+          "torch_rule_clip",
+          // torch's clip given its norm: the coefficient from backend memory
+          // (grad::torch_clip_coefficient), every grad scaled by it through the grad.scale
+          // op (torch multiplies always, by 1 too).
+          [](const grad::Plan& p, InArray total_norm, double max_norm) {
+            const Tensor nt = to_tensor(total_norm, "total_norm");
+            float coeff = 1.0f;
+            const Tensor ct(&coeff, DType::kFloat32, {1});
+            nb::gil_scoped_release release;
+            grad::torch_clip_coefficient(nt, max_norm, ct);
+            ops::grad_scale(p, ct);
+          },
+          nb::arg("total_norm"), nb::arg("max_norm"))
+      .def(
           "count_zeros",
           [](const grad::Plan& p, OutArray out_count) {
             const Tensor ct = to_tensor(out_count, "out_count");

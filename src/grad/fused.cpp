@@ -170,6 +170,25 @@ bool float_path_clip_coefficient(const Tensor& total_norm, double max_norm, cons
   return coeff < 1.0f;
 }
 
+float torch_clip_coefficient(float total_norm, double max_norm) {
+  const float shifted = total_norm + 1.0e-6f;  // torch: the scalar 1e-6 rounded to fp32, then one add
+  const float reciprocal = 1.0f / shifted;
+  const float coeff = reciprocal * static_cast<float>(max_norm);
+  return std::isnan(coeff) ? coeff : std::min(coeff, 1.0f);
+}
+
+void torch_clip_coefficient(const Tensor& total_norm, double max_norm, const Tensor& out_coeff) {
+  static constexpr const char* kWhere = "grad::torch_clip_coefficient";
+  detail::check_max_norm(max_norm, kWhere);
+  // fp32(max_norm) must be a value, never an out-of-range conversion.
+  LEANSTEP_CHECK_ARG(max_norm <= static_cast<double>(std::numeric_limits<float>::max()), kWhere, "max_norm",
+                     fmt::format("must be at most the largest fp32, {} (got {})",
+                                 std::numeric_limits<float>::max(), max_norm));
+  detail::check_scalar(total_norm, DType::kFloat32, kWhere, "total_norm");
+  detail::check_scalar(out_coeff, DType::kFloat32, kWhere, "out_coeff");
+  *out_coeff.data_as<float>() = torch_clip_coefficient(*total_norm.data_as<const float>(), max_norm);
+}
+
 void count_zeros(const PlanView& plan, const Tensor& out_count, comm::Communicator* comm) {
   detail::check_scalar(out_count, DType::kInt64, "grad::count_zeros", "out_count");
   const auto& chunks = plan.chunks();

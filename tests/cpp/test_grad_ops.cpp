@@ -333,6 +333,38 @@ TEST(GradOps, FloatPathNormAndClipCoefficientAreTheDoubleArithmetic) {
   EXPECT_LEANSTEP_ERROR(grad::float_path_clip_coefficient(f64.t(), 1.0, f64.t()), "'out_coeff'");
 }
 
+TEST(GradOps, TorchClipCoefficientIsTorchsReciprocalThenMultiply) {
+  // torch's clamp(max_norm / (norm + 1e-6), max=1): the add, the fp32 reciprocal, the
+  // multiply by fp32(max_norm) (torch's Tensor.__rtruediv__), each rounded; the bits
+  // against torch's own ops are tested in tests/python/test_torch_clip.py. Here: the
+  // special values, the clamp, and that the rule is not one division (two roundings).
+  constexpr float kInfF = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(std::isnan(grad::torch_clip_coefficient(std::numeric_limits<float>::quiet_NaN(), 1.0)));
+  EXPECT_EQ(grad::torch_clip_coefficient(kInfF, 1.0), 0.0f);
+  EXPECT_EQ(grad::torch_clip_coefficient(0.0f, 1.0), 1.0f);  // 1e6 clamped
+  EXPECT_EQ(grad::torch_clip_coefficient(0.5f, 0.0), 0.0f);
+  std::mt19937_64 rng(20261206);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  int differs_from_division = 0;
+  for (int i = 0; i < 20000; ++i) {
+    const float norm = static_cast<float>(std::pow(10.0, 4.0 * unit(rng) - 1.0));
+    const double max_norm = 4.0 * unit(rng);
+    const float shifted = norm + 1.0e-6f;
+    const float expected = std::min((1.0f / shifted) * static_cast<float>(max_norm), 1.0f);
+    const float got = grad::torch_clip_coefficient(norm, max_norm);
+    ASSERT_EQ(got, expected) << norm << " " << max_norm;
+    if (got < 1.0f && got != static_cast<float>(max_norm) / shifted) ++differs_from_division;
+  }
+  EXPECT_GT(differs_from_division, 0);
+  Scalar n(DType::kFloat32, 3.0f), coeff, f64(DType::kFloat64);
+  grad::torch_clip_coefficient(n.t(), 1.5, coeff.t());
+  EXPECT_EQ(coeff.get(), static_cast<double>(grad::torch_clip_coefficient(3.0f, 1.5)));
+  EXPECT_LEANSTEP_ERROR(grad::torch_clip_coefficient(n.t(), -1.0, coeff.t()), "'max_norm'");
+  EXPECT_LEANSTEP_ERROR(grad::torch_clip_coefficient(n.t(), 1e39, coeff.t()), "'max_norm' must be at most the largest fp32");
+  EXPECT_LEANSTEP_ERROR(grad::torch_clip_coefficient(f64.t(), 1.0, coeff.t()), "'total_norm'");
+  EXPECT_LEANSTEP_ERROR(grad::torch_clip_coefficient(n.t(), 1.0, f64.t()), "'out_coeff'");
+}
+
 TEST(GradOps, CountZerosCountsEachListing) {
   std::mt19937_64 rng(test_seed());
   for (DType dtype : float_dtypes()) {

@@ -98,6 +98,43 @@ def test_clip_grad_norm_matches_torch(dtype, norm_type, foreach, torch_gen):
     assert ours.dtype == theirs.dtype
 
 
+def test_the_native_coefficient_is_torchs_bit_for_bit(monkeypatch, torch_gen):
+    # An fp32 norm on the CPU kernels: torch's coefficient and multiply in one native
+    # call (grad::torch_clip_coefficient). Against torch's clip_grads_with_norm_ over
+    # random norms and max_norms (the edge ones too), fp32 and bf16 grads of odd sizes
+    # in one list: the same grads, bit for bit. max_norm past the largest fp32 (and a
+    # negative one) take torch's own ops, as a bf16 norm does.
+    from leanstep._grad import GradPlan
+
+    calls = []
+    native = GradPlan.torch_rule_clip_
+    monkeypatch.setattr(GradPlan, "torch_rule_clip_",
+                        lambda self, *a: (calls.append(a), native(self, *a))[1])
+    norms = [0.0, 1e-45, 1e-7, 0.999999, 1.0, 3.5, 1e30, math.inf, math.nan]
+    norms += (10.0 ** (torch.rand(40, generator=torch_gen, dtype=torch.float64) * 8 - 4)).tolist()
+    max_norms = [0.0, 1e-3, 0.05, 1.0, 7.25, 3.0e38, 1e39, -1.0]
+    expect_native = 0
+    for i, norm in enumerate(norms):
+        max_norm = max_norms[i % len(max_norms)]
+        ps = params_with_grads([3, 17, 1, 100], torch.float32, torch_gen)
+        ps += params_with_grads([5, 33], torch.bfloat16, torch_gen)
+        qs = twins(ps)
+        total = torch.tensor(norm, dtype=torch.float32)
+        lt.clip_grads_with_norm_(ps, max_norm, total)
+        torch.nn.utils.clip_grads_with_norm_(qs, max_norm, total.clone())
+        for p, q in zip(ps, qs):
+            assert torch.equal(p.grad, q.grad) or (p.grad.isnan().all() and q.grad.isnan().all()), \
+                (norm, max_norm)
+        expect_native += 0.0 <= max_norm <= torch.finfo(torch.float32).max
+    assert len(calls) == expect_native > 0
+    # A bf16 norm keeps torch's ops (bf16 arithmetic).
+    ps = params_with_grads([9], torch.bfloat16, torch_gen)
+    qs = twins(ps)
+    lt.clip_grads_with_norm_(ps, 0.1, torch.tensor(2.0, dtype=torch.bfloat16))
+    torch.nn.utils.clip_grads_with_norm_(qs, 0.1, torch.tensor(2.0, dtype=torch.bfloat16))
+    assert torch.equal(ps[0].grad, qs[0].grad) and len(calls) == expect_native
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_small_grads_are_left_unchanged(dtype, torch_gen):
     ps = params_with_grads(SIZES, dtype, torch_gen, scale=1e-3)
