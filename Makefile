@@ -149,8 +149,13 @@ ifneq ($(PYTHON312),)
 else
 	@echo "NOT RUN: megatron-core 0.17+ (no Python 3.12 on this machine)"
 endif
-	$(MAKE) --no-print-directory demo-host-bound
-	$(MAKE) --no-print-directory demo-hf
+	$(MAKE) --no-print-directory demo-host-bound INSTALLED=1
+	$(MAKE) --no-print-directory demo-hf INSTALLED=1
+
+# The demo's parts install the package first when run alone; inside `make demo`
+# (INSTALLED=1) it was installed once above (each install costs about 15 s).
+DEMO_INSTALLS = $(if $(INSTALLED),,python python312)
+DEMO_INSTALL = $(if $(INSTALLED),,python)
 
 # The host-bound configuration of the main job (the seed's rank shape at tiny widths,
 # 816 LoRA tensors per rank): its crossover at EP 1 on each Megatron-Core line, where
@@ -162,7 +167,7 @@ endif
 # the per-family arms. About 2 minutes a line.
 HOST_BOUND := --config host-bound --phases crossover --ep 1 --conditions baseline,all \
 	--runs 12 --cycles 3
-demo-host-bound: python python312
+demo-host-bound: $(DEMO_INSTALLS)
 	$(PY) -m leanstep.megatron.train $(HOST_BOUND) --out $(DEMO_DIR)/megatron-0.16-host-bound
 ifneq ($(PYTHON312),)
 	$(PY312) -m leanstep.megatron.train $(HOST_BOUND) --out $(DEMO_DIR)/megatron-0.19-host-bound
@@ -175,7 +180,7 @@ endif
 DEMO_MPI := mpirun -np 2 --oversubscribe -x OMP_NUM_THREADS=1 -x OPENBLAS_NUM_THREADS=1
 # The Hugging Face example job: Qwen3-MoE LoRA on the HF Trainer, crossover of
 # leanstep's RMSNorm swap, clip and experts backend (about 30 s here).
-demo-hf: python
+demo-hf: $(DEMO_INSTALL)
 	$(PY) -m leanstep.transformers.train --out $(DEMO_DIR)/transformers
 
 demo-cpp: build

@@ -478,6 +478,18 @@ def bench_hf(table, args):
                        "leanstep, grads in one GradBuffer": leanstep_buffer}, rounds, calls)
     table.case("hf", f"clip_grad_norm_ PEFT LoRA grads ({len(trainable)} tensors)", results,
                "torch clip_grad_norm_(foreach)")
+
+    # The HF Trainer's default: zero_grad(set_to_none=True), so every step's grads are
+    # fresh tensors (new addresses): leanstep plans them anew each call.
+    def fresh_grads(_name):
+        for p, g in zip(trainable, separate):
+            p.grad = g.clone()
+
+    results = measure({"torch clip_grad_norm_(foreach)": torch_foreach,
+                       "leanstep.torch.clip_grad_norm_": leanstep_separate}, rounds, calls,
+                      setup=fresh_grads)
+    table.case("hf", f"clip_grad_norm_ PEFT LoRA grads ({len(trainable)} tensors), fresh grads "
+               "each call", results, "torch clip_grad_norm_(foreach)")
     del buffer
 
     # Experts: one Qwen3-MoE experts module, forward + backward, bf16.
