@@ -205,6 +205,10 @@ def _all_plain_cpu(tensors):
     return True
 
 
+#: The reason of the choice for plain CPU tensors, automatic.
+CPU_TENSORS = "CPU tensors"
+
+
 def choose(tensors, backend, where, names=None, *, triton=False, op=None, enabled=True):
     """(backend, why) for a call over `tensors`: "cpu" for plain CPU tensors,
     "triton" for cuda/xpu/npu tensors when the op has Triton kernels and
@@ -218,7 +222,7 @@ def choose(tensors, backend, where, names=None, *, triton=False, op=None, enable
     passes both; this module knows nothing of the preset."""
     only_torch_ops = torch_ops_only()
     if backend is None and only_torch_ops is None and _all_plain_cpu(tensors):
-        return "cpu", "CPU tensors"  # what the checks below conclude, without their cost
+        return "cpu", CPU_TENSORS  # what the checks below conclude, without their cost
     if backend is not None and backend not in BACKENDS:
         raise Error(f"{where}: argument 'backend' must be one of {', '.join(BACKENDS)} or None "
                     f"(got {backend!r})")

@@ -14,7 +14,7 @@ import operator
 
 import numpy as np
 
-from . import _leanstep, _registry
+from . import _backend, _leanstep, _registry
 from ._leanstep import Error
 from ._rules import check_scalar
 from ._arrays import Native, dtype_name, empty, is_torch, native, torch_module, view, zeros
@@ -101,7 +101,8 @@ class GradPlan:
     tensors (tests, benchmarks); ``"triton"`` forces the Triton kernels (CPU
     tensors: under TRITON_INTERPRET=1, tests)."""
 
-    def __init__(self, grads, buffers=(), *, like=None, backend=None, _key=None):
+    def __init__(self, grads, buffers=(), *, like=None, backend=None, _key=None,
+                 _plain_cpu=False):
         torch = torch_module()
         if torch is not None and isinstance(grads, torch.Tensor):
             grads = [grads]
@@ -112,9 +113,17 @@ class GradPlan:
         self._buffers = [view(b) for b in buffers]
         self._like = self._grads[0] if self._grads else like
         like_arg = [like] if not self._grads and is_torch(like) else []  # an empty list's device
-        self.backend, self._reason = _registry.choose(
-            "grad", self._grads + self._buffers + like_arg,
-            _ArgNames(len(self._grads), len(self._buffers), len(like_arg)), backend, "GradPlan")
+        if (_plain_cpu and self._grads and not self._buffers and backend is None
+                and _backend.torch_ops_only() is None):
+            # `_plain_cpu`: the caller (leanstep._plans.PlanCache) checked that every grad
+            # is a plain torch CPU tensor of a kernel dtype: what choose() concludes then,
+            # without its pass over thousands of grads.
+            self.backend, self._reason = "cpu", _backend.CPU_TENSORS
+        else:
+            self.backend, self._reason = _registry.choose(
+                "grad", self._grads + self._buffers + like_arg,
+                _ArgNames(len(self._grads), len(self._buffers), len(like_arg)), backend,
+                "GradPlan")
         self._device = None
         if self.backend in ("torch", "triton"):
             device = self._grads[0].device if self._grads else (

@@ -115,6 +115,10 @@ class PlanCache:
             self._by_key[dict_key] = (exact, None if plan is None else plan._unbound(), reason)
             while len(self._order) > self._size:
                 self._by_key.pop(self._order.pop(0), None)
+        if plan is not None:
+            # For this call, as a bound template: the grads were read just now, so the
+            # plan's operations need not read them again (a key pass each, otherwise).
+            plan._fingerprint = None
         return plan, reason
 
     def __len__(self):
@@ -132,11 +136,13 @@ class PlanCache:
         dtypes = frozenset(map(_dtype, grads))
         if not dtypes <= _PLAN_DTYPE_SET:
             return None, "dtype"
-        if grads and not all(map(_is_cpu, grads)) and len(set(map(_device, grads))) > 1:
+        on_cpu = all(map(_is_cpu, grads))
+        if grads and not on_cpu and len(set(map(_device, grads))) > 1:
             return None, "mixed_devices"
         if grads and _backend.device_usable(grads[0].device) is not None:
             return None, "device_unusable"
-        plan = GradPlan(grads, like=EMPTY_LIKE, backend=self.backend, _key=exact)
+        plan = GradPlan(grads, like=EMPTY_LIKE, backend=self.backend, _key=exact,
+                        _plain_cpu=on_cpu and dtypes <= _backend.cpu_dtypes())
         plan.dtypes = dtypes
         return plan, None
 
