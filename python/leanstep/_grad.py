@@ -134,6 +134,10 @@ class GradPlan:
                 else plan_module.TorchGradPlan
             self._torch_plan = plan_class(self._grads, device)
             self._core = self._torch_plan.core
+        elif isinstance(_key, bytes) and _plain_cpu and not self._buffers:
+            # The key (read from C just now, exact) describes these grads: the plan is
+            # built from it, without describing thousands of fresh grads a second time.
+            self._core = Native(_leanstep.GradPlanCore.from_key(_key))
         else:
             self._core = Native(native.GradPlanCore(self._grads, self._buffers))
         # `_key`: the exact key (tensor_list_key's bytes) of `grads`, where the caller

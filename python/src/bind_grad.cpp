@@ -19,6 +19,7 @@
 #include <leanstep/ops.h>
 
 #include "arrays.h"
+#include "exchange.h"
 #include "bindings.h"
 #include "fixtures/model_layouts.h"
 
@@ -70,6 +71,19 @@ void bind_grad(nb::module_& m) {
             new (self) grad::Plan(views, buffers);
           },
           nb::arg("grads"), nb::arg("buffers") = std::vector<InArray>{})
+      .def_static(
+          "from_key",
+          // The plan of the list a key describes (tensor_list_key's bytes, or the key
+          // grads_and_key gave with them), read from the key alone: the list's tensors
+          // are not described a second time. The caller keeps them alive, as for
+          // __init__, and passes the key of exactly those tensors.
+          [](nb::bytes key) {
+            const std::vector<Tensor> views =
+                tensors_from_key(std::string_view(static_cast<const char*>(key.data()), key.size()));
+            nb::gil_scoped_release release;
+            return grad::Plan(views);
+          },
+          nb::arg("key"))
       .def_static(
           "from_layout",
           [](const std::vector<std::tuple<uintptr_t, std::string, std::vector<int64_t>,

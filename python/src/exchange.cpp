@@ -7,10 +7,15 @@
 
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include <nanobind/nanobind.h>
+
+#include <fmt/format.h>
+
+#include <leanstep/core.h>
 
 namespace leanstep::py {
 namespace {
@@ -60,8 +65,9 @@ const ExchangeApi* lookup(PyTypeObject* type) {
 // bytes, a memcmp: exact, and cheaper than Python hashing the bytes anew).
 //
 // Records, each led by a tag word (so the string parses one way only: the key
-// is exact):
-//   kFull:     tag, address, byte offset, device, dtype|ndim, shape..., strides (or ~0)
+// is exact, and tensors_from_key reads it back):
+//   kFull:     tag, address, byte offset, device, dtype|flags|ndim, shape..., strides
+//              (present where the flag kStridesGiven says the producer gave them)
 //   kAdjacent: tag|ndim, shape...      (ndim != 1)
 //   kAdjacent1: tag|numel              (1-d, numel < 2^56)
 // An adjacent record stands for a compact row-major tensor of the previous
@@ -117,13 +123,10 @@ class KeyBuilder {
       word(address);
       word(t.byte_offset);
       word(device);
-      word(dtype | static_cast<uint32_t>(t.ndim));
+      word(dtype | (t.strides != nullptr ? kStridesGiven : 0) | static_cast<uint8_t>(t.ndim));
       for (int d = 0; d < t.ndim; ++d) word(static_cast<uint64_t>(t.shape[d]));
-      if (t.strides == nullptr) {
-        word(~uint64_t{0});  // compact row-major: no strides given
-      } else {
+      if (t.strides != nullptr)  // none: compact row-major
         for (int d = 0; d < t.ndim; ++d) word(static_cast<uint64_t>(t.strides[d]));
-      }
     }
     have_previous_ = true;
     previous_compact_ = compact;
@@ -138,10 +141,12 @@ class KeyBuilder {
                           nb::bytes(words_.data(), words_.size() * sizeof(uint64_t)));
   }
 
- private:
   static constexpr uint64_t kFull = uint64_t{0xF1} << 56;
   static constexpr uint64_t kAdjacent = uint64_t{0xA2} << 56;
   static constexpr uint64_t kAdjacent1 = uint64_t{0xA1} << 56;
+  static constexpr uint64_t kStridesGiven = uint64_t{1} << 16;  // in the dtype word's low half
+
+ private:
 
   void word(uint64_t v) {
     words_.push_back(v);
@@ -402,6 +407,70 @@ nb::object selected_grads_and_key(nb::handle params, nb::str name, nb::bytes ids
 }
 
 }  // namespace
+
+std::vector<Tensor> tensors_from_key(std::string_view key) {
+  constexpr const char* kWhere = "tensors_from_key";
+  if (key.size() % sizeof(uint64_t) != 0)
+    throw Error(fmt::format("{}: internal: a key is whole 64-bit words (got {} bytes)", kWhere, key.size()));
+  const size_t n = key.size() / sizeof(uint64_t);
+  size_t at = 0;
+  auto next = [&]() {
+    if (at >= n) throw Error(fmt::format("{}: internal: the key ends inside a record", kWhere));
+    uint64_t w;
+    std::memcpy(&w, key.data() + at++ * sizeof(uint64_t), sizeof w);
+    return w;
+  };
+  std::vector<Tensor> tensors;
+  tensors.reserve(n);
+  DLTensor dl{};
+  int64_t shape[kMaxDims], strides[kMaxDims];
+  uint64_t end = 0;  // where the previous tensor ends (its records' state, as KeyBuilder's)
+  while (at < n) {
+    const uint64_t tag = next();
+    const uint64_t kind = tag & (uint64_t{0xFF} << 56);
+    if (kind == KeyBuilder::kFull) {
+      const uint64_t address = next(), offset = next(), device = next(), dtype = next();
+      dl.data = reinterpret_cast<void*>(static_cast<uintptr_t>(address));
+      dl.byte_offset = offset;
+      dl.device.device_type = static_cast<DLDeviceType>(static_cast<int32_t>(device >> 32));
+      dl.device.device_id = static_cast<int32_t>(device & 0xFFFFFFFFu);
+      dl.dtype.code = static_cast<uint8_t>(dtype >> 56);
+      dl.dtype.bits = static_cast<uint8_t>(dtype >> 48);
+      dl.dtype.lanes = static_cast<uint16_t>(dtype >> 32);
+      dl.ndim = static_cast<int>(dtype & 0xFF);
+      if (dl.ndim > kMaxDims) throw Error(fmt::format("{}: internal: {} dims in a key", kWhere, dl.ndim));
+      for (int d = 0; d < dl.ndim; ++d) shape[d] = static_cast<int64_t>(next());
+      const bool given = (dtype & KeyBuilder::kStridesGiven) != 0;
+      for (int d = 0; given && d < dl.ndim; ++d) strides[d] = static_cast<int64_t>(next());
+      dl.shape = shape;
+      dl.strides = given ? strides : nullptr;
+    } else if (kind == KeyBuilder::kAdjacent || kind == KeyBuilder::kAdjacent1) {
+      // Compact, at byte offset 0 where the previous one (compact) ends, its device and dtype.
+      if (tensors.empty()) throw Error(fmt::format("{}: internal: a key starts with an adjacent record", kWhere));
+      dl.data = reinterpret_cast<void*>(static_cast<uintptr_t>(end));
+      dl.byte_offset = 0;
+      if (kind == KeyBuilder::kAdjacent1) {
+        dl.ndim = 1;
+        shape[0] = static_cast<int64_t>(tag & ~(uint64_t{0xFF} << 56));
+      } else {
+        dl.ndim = static_cast<int>(tag & 0xFF);
+        if (dl.ndim > kMaxDims) throw Error(fmt::format("{}: internal: {} dims in a key", kWhere, dl.ndim));
+        for (int d = 0; d < dl.ndim; ++d) shape[d] = static_cast<int64_t>(next());
+      }
+      dl.shape = shape;
+      dl.strides = nullptr;
+    } else {
+      throw Error(fmt::format("{}: internal: no record starts with the tag {:#x}", kWhere, tag >> 56));
+    }
+    const Tensor t = Tensor::from_dlpack(dl, "key record");
+    tensors.push_back(t);
+    uint64_t numel = 1;
+    for (int d = 0; d < dl.ndim; ++d) numel *= static_cast<uint64_t>(shape[d]);
+    end = reinterpret_cast<uintptr_t>(dl.data) + dl.byte_offset +
+          numel * (static_cast<uint64_t>(dl.dtype.bits) * dl.dtype.lanes / 8);
+  }
+  return tensors;
+}
 
 const ExchangeApi* exchange_api(PyObject* obj) {
   PyTypeObject* type = Py_TYPE(obj);

@@ -5,9 +5,13 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
+#include <vector>
 
 #include <dlpack/dlpack.h>
 #include <nanobind/nanobind.h>
+
+#include <leanstep/core.h>
 
 
 namespace leanstep::py {
@@ -55,6 +59,12 @@ enum class ExchangeView {
 // un-negated memory, a silently wrong sign) is refused. No Python error is
 // left set.
 ExchangeView exchange_view(PyObject* obj, DLTensor* out);
+
+// The tensors a list key describes (tensor_list_key's bytes, read back): each
+// one's address, dtype, device, shape and strides, as the key's producer saw them
+// when it made the key, without the tensors. Throws leanstep::Error on bytes
+// that are not such a key.
+std::vector<Tensor> tensors_from_key(std::string_view key);
 
 void bind_exchange(nb::module_& m);
 

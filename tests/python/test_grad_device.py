@@ -498,8 +498,18 @@ def test_a_plan_built_for_fresh_grads_each_call_reasons_and_names_as_before():
         p.grad = torch.randn(4)
     grads, key = grads_with_key(params)
     plan, reason = cache.get(grads, key=key)
-    assert reason is None and plan._fingerprint == fingerprint(grads) == key[1]
+    # The cache's plan is for this call (as a bound template is): not read again.
+    assert reason is None and plan._fingerprint is None
     assert plan.dtypes == frozenset({torch.float32})
+    # Built with the key, a plan keeps it as its fingerprint (what fingerprint() reads),
+    # and finds a grad re-pointed after it was built.
+    plan = GradPlan(grads, _key=key[1], _plain_cpu=True)
+    assert plan._fingerprint == fingerprint(grads) == key[1]
+    plan.total_norm()
+    grads[1].set_(torch.zeros(4))
+    with pytest.raises(leanstep.Error, match="re-pointed or resized"):
+        plan.total_norm()
+    grads, key = grads_with_key(params)
     params[2].grad.requires_grad_(True)  # a grad that requires grad: the plan keeps a detached view
     plan = GradPlan([p.grad for p in params])
     assert not any(g.requires_grad for g in plan.grads)

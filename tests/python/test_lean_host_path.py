@@ -596,6 +596,96 @@ def test_keys_are_exact_for_views_laid_end_to_end(torch_gen, rng):
     assert _leanstep.tensor_list_key(a)[1] != _leanstep.tensor_list_key(b)[1]
 
 
+def _plan_facts(core):
+    return (core.summary(), core.regions, core.generic, core.num_tensors, core.num_empty,
+            core.first_self_overlapping, core.listed_bytes, core.touched_bytes)
+
+
+def test_a_plan_read_back_from_a_key_is_the_plan_of_its_tensors(torch_gen, rng):
+    # Fresh grads each step are planned from the key the cache read (the tensors are not
+    # described a second time): the plan from the key must be the plan from the tensors,
+    # region for region, under random lists of every shape of record (views end to end,
+    # gaps, overlaps, 2-d, transposed, strided, expanded, 0-d, empty, every dtype,
+    # separate tensors), and its norm and scale the same bits.
+    from leanstep._leanstep import GradPlanCore
+
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+    bufs = {d: torch.randn(600, generator=torch_gen).to(d) for d in dtypes}
+
+    def random_list():
+        views, start = [], int(rng.integers(0, 3))
+        dtype = dtypes[int(rng.integers(0, 4))]
+        for _ in range(int(rng.integers(0, 9))):
+            buf, n = bufs[dtype], int(rng.integers(0, 9))
+            kind = int(rng.integers(0, 12))
+            if kind == 0:
+                start = max(start + int(rng.integers(-3, 4)), 0)
+            view = buf[start:start + n]
+            if kind == 1 and n % 2 == 0 and n:
+                view = view.view(2, n // 2)
+            elif kind == 2 and n % 2 == 0 and n:
+                view = view.view(2, n // 2).t()
+            elif kind == 3:
+                view = buf[start:start + 2 * n:2]
+            elif kind == 4:
+                view = torch.randn(int(rng.integers(0, 5)), 3, generator=torch_gen).to(dtype)
+            elif kind == 5:
+                view = buf[start]  # 0-d
+            elif kind == 6:
+                dtype = dtypes[int(rng.integers(0, 4))]
+                view = bufs[dtype][start:start + n]
+            elif kind == 7 and n:
+                view = buf[start:start + 1].expand(n)  # self-overlapping
+            views.append(view)
+            start += n
+        return views
+
+    read_back = 0
+    for _ in range(300):
+        views = random_list()
+        _, key = _leanstep.tensor_list_key(views)
+        from_key, from_tensors = GradPlanCore.from_key(key), GradPlanCore(views, [])
+        assert _plan_facts(from_key) == _plan_facts(from_tensors), [
+            (v.dtype, tuple(v.shape), v.stride(), v.data_ptr()) for v in views]
+        # The generic (strided) views' strides too: the norms read the same elements.
+        norms = [torch.empty(1), torch.empty(1)]
+        from_key.norm(norms[0], 1.0, None)
+        from_tensors.norm(norms[1], 1.0, None)
+        assert torch.equal(norms[0], norms[1])
+        read_back += bool(views)
+    assert read_back > 200
+    # Through the cache, on fresh grads: the same norm and clip as a plan of the tensors.
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 17, 1, 100, 5)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=torch_gen)
+    twins = [p.grad.clone() for p in params]
+    expected = leanstep.GradPlan(twins)
+    expected_norm = expected.total_norm(2.0)
+    expected.scale_(0.37)
+    norm = lt.clip_grad_norm_(params, 1e9)  # planned from the key on a miss
+    assert norm.item() == expected_norm.item()
+    from leanstep._torch_clip import plans
+    plan, _ = plans.get([p.grad for p in params])
+    plan.scale_(0.37)
+    for p, t in zip(params, twins):
+        assert torch.equal(p.grad, t)
+
+
+def test_a_key_that_is_not_one_is_refused():
+    from leanstep._leanstep import GradPlanCore
+
+    buf = torch.zeros(8)
+    # Records: buf[0:4] whole (7 words), buf[4:8] adjacent to it (1), a 2-d tensor whole (9).
+    _, key = _leanstep.tensor_list_key([buf[0:4], buf[4:8], torch.zeros(2, 2)])
+    assert len(key) == 8 * 17
+    for bad, match in [(key[:-3], "whole 64-bit words"), (key[:-8], "ends inside a record"),
+                       (key[56:64], "starts with an adjacent record"),
+                       (b"\x00" * 8, "no record starts with the tag")]:
+        with pytest.raises(leanstep.Error, match=match):
+            GradPlanCore.from_key(bad)
+    assert GradPlanCore.from_key(b"").num_tensors == 0
+
+
 # ---------------------------------------------------------------- MoE permute / unpermute
 
 
