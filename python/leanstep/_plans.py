@@ -9,7 +9,7 @@ import threading
 import torch
 
 from . import _backend, _leanstep
-from ._leanstep import grads_and_key, tensor_list_key
+from ._leanstep import grads_and_key, key_facts, tensor_list_key
 from .backends.torch_grad import PLAN_DTYPES
 
 if "grad" in _leanstep.areas:  # a build without the grad area plans nothing
@@ -22,6 +22,8 @@ _PLAIN_TYPE_SET = frozenset(_PLAIN_TYPES)
 _PLAN_DTYPE_SET = frozenset(PLAN_DTYPES)
 _dtype = operator.attrgetter("dtype")
 _is_cpu = operator.attrgetter("is_cpu")
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
+                 "bfloat16": torch.bfloat16, "float64": torch.float64}  # key_facts' names
 _device = operator.attrgetter("device")
 _grad_of = operator.attrgetter("grad")
 EMPTY_LIKE = torch.empty(0)  # results of an empty grad list are torch tensors too
@@ -128,15 +130,24 @@ class PlanCache:
     def _build(self, grads, exact=None):
         """``exact``: the key's exact part, where the caller read it (the plan's
         fingerprint). Fresh grads each step (the HF Trainer's zero_grad) build a
-        plan every call: each check is one pass in C (map), not Python per grad."""
-        if not set(map(type, grads)) <= _PLAIN_TYPE_SET:
-            return None, "tensor_subclass"
+        plan every call: its checks read the key (key_facts), or make one pass in C
+        (map) each where there is none, never Python per grad."""
+        if type(exact) is bytes:
+            # A key read from C (every grad a plain torch tensor: the only ones it reads)
+            # says where they live and their dtypes: no pass over the grads here.
+            on_cpu, names = key_facts(exact)
+            if "other" in names:
+                return None, "dtype"
+            dtypes = frozenset(map(_TORCH_DTYPES.__getitem__, names))
+        else:
+            if not set(map(type, grads)) <= _PLAIN_TYPE_SET:
+                return None, "tensor_subclass"
+            dtypes = frozenset(map(_dtype, grads))
+            on_cpu = all(map(_is_cpu, grads))
         # The grads' dtypes, also for the callers' own dtype rules: the cache key includes
         # every grad's dtype, so a plan found for a list has that list's dtypes.
-        dtypes = frozenset(map(_dtype, grads))
         if not dtypes <= _PLAN_DTYPE_SET:
             return None, "dtype"
-        on_cpu = all(map(_is_cpu, grads))
         if grads and not on_cpu and len(set(map(_device, grads))) > 1:
             return None, "mixed_devices"
         if grads and _backend.device_usable(grads[0].device) is not None:

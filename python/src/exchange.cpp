@@ -5,6 +5,7 @@
 // collisions) at tens of nanoseconds a view.
 #include "exchange.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <string_view>
@@ -408,7 +409,13 @@ nb::object selected_grads_and_key(nb::handle params, nb::str name, nb::bytes ids
 
 }  // namespace
 
-std::vector<Tensor> tensors_from_key(std::string_view key) {
+namespace {
+
+// Calls visit(dl) with each record of a key read back as the DLTensor it
+// describes (a view valid during the call). Throws leanstep::Error on bytes that
+// are not a key.
+template <class Visit>
+void for_each_record(std::string_view key, Visit&& visit) {
   constexpr const char* kWhere = "tensors_from_key";
   if (key.size() % sizeof(uint64_t) != 0)
     throw Error(fmt::format("{}: internal: a key is whole 64-bit words (got {} bytes)", kWhere, key.size()));
@@ -420,10 +427,9 @@ std::vector<Tensor> tensors_from_key(std::string_view key) {
     std::memcpy(&w, key.data() + at++ * sizeof(uint64_t), sizeof w);
     return w;
   };
-  std::vector<Tensor> tensors;
-  tensors.reserve(n);
   DLTensor dl{};
   int64_t shape[kMaxDims], strides[kMaxDims];
+  bool first = true;
   uint64_t end = 0;  // where the previous tensor ends (its records' state, as KeyBuilder's)
   while (at < n) {
     const uint64_t tag = next();
@@ -446,7 +452,7 @@ std::vector<Tensor> tensors_from_key(std::string_view key) {
       dl.strides = given ? strides : nullptr;
     } else if (kind == KeyBuilder::kAdjacent || kind == KeyBuilder::kAdjacent1) {
       // Compact, at byte offset 0 where the previous one (compact) ends, its device and dtype.
-      if (tensors.empty()) throw Error(fmt::format("{}: internal: a key starts with an adjacent record", kWhere));
+      if (first) throw Error(fmt::format("{}: internal: a key starts with an adjacent record", kWhere));
       dl.data = reinterpret_cast<void*>(static_cast<uintptr_t>(end));
       dl.byte_offset = 0;
       if (kind == KeyBuilder::kAdjacent1) {
@@ -462,13 +468,47 @@ std::vector<Tensor> tensors_from_key(std::string_view key) {
     } else {
       throw Error(fmt::format("{}: internal: no record starts with the tag {:#x}", kWhere, tag >> 56));
     }
-    const Tensor t = Tensor::from_dlpack(dl, "key record");
-    tensors.push_back(t);
+    visit(static_cast<const DLTensor&>(dl));
+    first = false;
     uint64_t numel = 1;
     for (int d = 0; d < dl.ndim; ++d) numel *= static_cast<uint64_t>(shape[d]);
     end = reinterpret_cast<uintptr_t>(dl.data) + dl.byte_offset +
           numel * (static_cast<uint64_t>(dl.dtype.bits) * dl.dtype.lanes / 8);
   }
+}
+
+// The dtype name of a DLPack dtype, for the ones a grad plan takes; "other" else.
+const char* plan_dtype_name(const DLDataType& t) {
+  if (t.lanes != 1) return "other";
+  if (t.code == kDLFloat && t.bits == 32) return "float32";
+  if (t.code == kDLFloat && t.bits == 16) return "float16";
+  if (t.code == kDLBfloat && t.bits == 16) return "bfloat16";
+  if (t.code == kDLFloat && t.bits == 64) return "float64";
+  return "other";
+}
+
+// (on the CPU, dtypes): whether every tensor a key describes lives in CPU memory,
+// and the names of their dtypes (plan_dtype_name), each once: what a grad plan
+// cache asks of a fresh list before planning it, from the key it read already.
+nb::tuple key_facts(nb::bytes key) {
+  bool on_cpu = true;
+  std::vector<const char*> names;
+  for_each_record(std::string_view(static_cast<const char*>(key.data()), key.size()), [&](const DLTensor& dl) {
+    on_cpu = on_cpu && dl.device.device_type == kDLCPU;
+    const char* name = plan_dtype_name(dl.dtype);
+    if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
+  });
+  nb::list out;
+  for (const char* name : names) out.append(nb::str(name));
+  return nb::make_tuple(on_cpu, nb::tuple(out));
+}
+
+}  // namespace
+
+std::vector<Tensor> tensors_from_key(std::string_view key) {
+  std::vector<Tensor> tensors;
+  tensors.reserve(key.size() / sizeof(uint64_t));
+  for_each_record(key, [&](const DLTensor& dl) { tensors.push_back(Tensor::from_dlpack(dl, "key record")); });
   return tensors;
 }
 
@@ -502,6 +542,10 @@ ExchangeView exchange_view(PyObject* obj, DLTensor* out) {
 }
 
 void bind_exchange(nb::module_& m) {
+  m.def("key_facts", &key_facts, nb::arg("key"),
+        "(on_cpu, dtypes) of the tensors a list key describes: whether all live in CPU "
+        "memory, and their dtypes' names (float32, float16, bfloat16, float64, or other), "
+        "each once, in order of first appearance.");
   m.def("tensor_list_key", &tensor_list_key, nb::arg("tensors"),
         "(hash, key): key, bytes naming every tensor's address, device, dtype, shape and "
         "strides, read from C through DLPack's exchange table, and a 64-bit hash of it; None "

@@ -644,6 +644,8 @@ def test_a_plan_read_back_from_a_key_is_the_plan_of_its_tensors(torch_gen, rng):
     for _ in range(300):
         views = random_list()
         _, key = _leanstep.tensor_list_key(views)
+        names = tuple(dict.fromkeys(str(v.dtype).removeprefix("torch.") for v in views))
+        assert _leanstep.key_facts(key) == (True, names)
         from_key, from_tensors = GradPlanCore.from_key(key), GradPlanCore(views, [])
         assert _plan_facts(from_key) == _plan_facts(from_tensors), [
             (v.dtype, tuple(v.shape), v.stride(), v.data_ptr()) for v in views]
@@ -684,6 +686,11 @@ def test_a_key_that_is_not_one_is_refused():
         with pytest.raises(leanstep.Error, match=match):
             GradPlanCore.from_key(bad)
     assert GradPlanCore.from_key(b"").num_tensors == 0
+    _, key = _leanstep.tensor_list_key([torch.zeros(2, dtype=torch.int32), torch.zeros(2),
+                                        torch.zeros(2, dtype=torch.complex64)])
+    assert _leanstep.key_facts(key) == (True, ("other", "float32"))
+    with pytest.raises(leanstep.Error, match="no record starts with the tag"):
+        _leanstep.key_facts(b"\x00" * 8)
 
 
 # ---------------------------------------------------------------- MoE permute / unpermute
