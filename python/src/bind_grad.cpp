@@ -55,6 +55,20 @@ nb::dict layout_dict(const layout::BufferLayout& b) {
   return d;
 }
 
+// A clip by a norm in backend memory under one coefficient rule: the coefficient
+// computed from that memory (on the CPU the calling thread plays the device), the grads
+// scaled by it through the grad.scale op where the rule says they are; returns that.
+template <class Rule>
+bool clip_by_rule(const grad::Plan& p, const InArray& total_norm, double max_norm, Rule rule) {
+  const Tensor nt = to_tensor(total_norm, "total_norm");
+  float coeff = 1.0f;
+  const Tensor ct(&coeff, DType::kFloat32, {1});
+  nb::gil_scoped_release release;
+  const bool scales = rule(nt, max_norm, ct);
+  if (scales) ops::grad_scale(p, ct);
+  return scales;
+}
+
 }  // namespace
 
 void bind_grad(nb::module_& m) {
@@ -248,13 +262,9 @@ void bind_grad(nb::module_& m) {
           // the grad.scale op where it is below 1 (the float path scales nothing otherwise).
           // Returns whether they were scaled (the caller counts a grad.scale call then).
           [](const grad::Plan& p, InArray total_norm, double max_norm) {
-            const Tensor nt = to_tensor(total_norm, "total_norm");
-            float coeff = 1.0f;
-            const Tensor ct(&coeff, DType::kFloat32, {1});
-            nb::gil_scoped_release release;
-            const bool scales = grad::float_path_clip_coefficient(nt, max_norm, ct);
-            if (scales) ops::grad_scale(p, ct);
-            return scales;
+            return clip_by_rule(p, total_norm, max_norm, [](const Tensor& nt, double m, const Tensor& ct) {
+              return grad::float_path_clip_coefficient(nt, m, ct);
+            });
           },
           nb::arg("total_norm"), nb::arg("max_norm"))
       .def(
@@ -263,12 +273,10 @@ void bind_grad(nb::module_& m) {
           // (grad::torch_clip_coefficient), every grad scaled by it through the grad.scale
           // op (torch multiplies always, by 1 too).
           [](const grad::Plan& p, InArray total_norm, double max_norm) {
-            const Tensor nt = to_tensor(total_norm, "total_norm");
-            float coeff = 1.0f;
-            const Tensor ct(&coeff, DType::kFloat32, {1});
-            nb::gil_scoped_release release;
-            grad::torch_clip_coefficient(nt, max_norm, ct);
-            ops::grad_scale(p, ct);
+            clip_by_rule(p, total_norm, max_norm, [](const Tensor& nt, double m, const Tensor& ct) {
+              grad::torch_clip_coefficient(nt, m, ct);
+              return true;
+            });
           },
           nb::arg("total_norm"), nb::arg("max_norm"))
       .def(
