@@ -94,6 +94,9 @@ class KeyBuilder {
       PyErr_Clear();
       return false;
     }
+    // More dims than a view holds: keyed in Python, where the library's own check
+    // names the tensor (a record holds what tensors_from_key can read back).
+    if (t.ndim < 0 || t.ndim > kMaxDims) return false;
     const uint64_t address = reinterpret_cast<uintptr_t>(t.data);
     const uint64_t device = (static_cast<uint64_t>(static_cast<uint32_t>(t.device.device_type)) << 32) |
                             static_cast<uint32_t>(t.device.device_id);
@@ -124,7 +127,7 @@ class KeyBuilder {
       word(address);
       word(t.byte_offset);
       word(device);
-      word(dtype | (t.strides != nullptr ? kStridesGiven : 0) | static_cast<uint8_t>(t.ndim));
+      word(dtype | (t.strides != nullptr ? kStridesGiven : 0) | static_cast<uint32_t>(t.ndim));
       for (int d = 0; d < t.ndim; ++d) word(static_cast<uint64_t>(t.shape[d]));
       if (t.strides != nullptr)  // none: compact row-major
         for (int d = 0; d < t.ndim; ++d) word(static_cast<uint64_t>(t.strides[d]));

@@ -1316,3 +1316,16 @@ def test_the_decided_call_is_a_leaf_for_fx_and_takes_keywords(torch_gen):
         fresh = torch.randn(3, 24, generator=torch_gen).bfloat16()
         assert torch.equal(graph_module(fresh), net(fresh))
         assert torch.equal(norm(x=fresh), norm(fresh))  # a keyword call is nn.Module's
+
+
+def test_a_grad_of_more_dims_than_a_view_holds_is_keyed_in_python_and_named():
+    # A key record holds at most 8 dims (what a plan's view holds, and what
+    # tensors_from_key reads back): a list with a 9-d grad is keyed in Python, and the
+    # clip names the grad and the rule, as it did before plans were read from keys.
+    grad9 = torch.zeros((1,) * 9)
+    assert _leanstep.tensor_list_key([torch.zeros(2), grad9]) is None
+    assert _leanstep.tensor_list_key([torch.zeros((1,) * 8)]) is not None
+    p = torch.nn.Parameter(torch.zeros((1,) * 9))
+    p.grad = grad9
+    with pytest.raises(leanstep.Error, match="at most 8 dims"):
+        lt.clip_grad_norm_([p], 1.0)
