@@ -410,16 +410,11 @@ nb::object selected_grads_and_key(nb::handle params, nb::str name, nb::bytes ids
   return nb::make_tuple(grads.list(), out[0], out[1]);
 }
 
-}  // namespace
-
-namespace {
-
 // Calls visit(dl) with each record of a key read back as the DLTensor it
 // describes (a view valid during the call). Throws leanstep::Error on bytes that
-// are not a key.
+// are not a key, naming `kWhere`, the caller.
 template <class Visit>
-void for_each_record(std::string_view key, Visit&& visit) {
-  constexpr const char* kWhere = "tensors_from_key";
+void for_each_record(const char* kWhere, std::string_view key, Visit&& visit) {
   if (key.size() % sizeof(uint64_t) != 0)
     throw Error(fmt::format("{}: internal: a key is whole 64-bit words (got {} bytes)", kWhere, key.size()));
   const size_t n = key.size() / sizeof(uint64_t);
@@ -496,7 +491,8 @@ const char* plan_dtype_name(const DLDataType& t) {
 nb::tuple key_facts(nb::bytes key) {
   bool on_cpu = true;
   std::vector<const char*> names;
-  for_each_record(std::string_view(static_cast<const char*>(key.data()), key.size()), [&](const DLTensor& dl) {
+  const std::string_view bytes(static_cast<const char*>(key.data()), key.size());
+  for_each_record("key_facts", bytes, [&](const DLTensor& dl) {
     on_cpu = on_cpu && dl.device.device_type == kDLCPU;
     const char* name = plan_dtype_name(dl.dtype);
     if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
@@ -511,7 +507,7 @@ nb::tuple key_facts(nb::bytes key) {
 std::vector<Tensor> tensors_from_key(std::string_view key) {
   std::vector<Tensor> tensors;
   tensors.reserve(key.size() / sizeof(uint64_t));
-  for_each_record(key, [&](const DLTensor& dl) { tensors.push_back(Tensor::from_dlpack(dl, "key record")); });
+  for_each_record("tensors_from_key", key, [&](const DLTensor& dl) { tensors.push_back(Tensor::from_dlpack(dl, "key record")); });
   return tensors;
 }
 
@@ -544,7 +540,58 @@ ExchangeView exchange_view(PyObject* obj, DLTensor* out) {
   return ExchangeView::kViewed;
 }
 
+namespace {
+
+// Whether a DLPack dtype is one any leanstep call takes (_arrays.SUPPORTED_DTYPES).
+bool kernel_dtype(DLDataType t) {
+  if (t.lanes != 1) return false;
+  switch (t.code) {
+    case kDLFloat: return t.bits == 16 || t.bits == 32 || t.bits == 64;
+    case kDLBfloat: return t.bits == 16;
+    case kDLInt: return t.bits == 8 || t.bits == 16 || t.bits == 32 || t.bits == 64;
+    case kDLUInt: return t.bits == 8;
+    case 6: return t.bits == 8;  // kDLBool (DLPack >= 0.8; this header may predate it)
+    default: return false;
+  }
+}
+
+// torch's is_contiguous() on a DLPack view: row-major strides wherever a dim has
+// more than one element (a dim of size 1 may have any stride; an empty tensor is
+// contiguous).
+bool row_major(const DLTensor& t) {
+  if (t.strides == nullptr) return true;
+  for (int d = 0; d < t.ndim; ++d)
+    if (t.shape[d] == 0) return true;
+  int64_t expected = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    if (t.shape[d] == 1) continue;
+    if (t.strides[d] != expected) return false;
+    expected *= t.shape[d];
+  }
+  return true;
+}
+
+// Whether every argument that is not None is a plain torch CPU tensor (Tensor or
+// Parameter, not a subclass) of a kernel dtype, contiguous and not a negated view:
+// the MoE calls' lean path (leanstep.torch._lean_moe_call), one C pass where the
+// same checks in Python cost about 0.3 us a tensor.
+bool lean_cpu_tensors(nb::args tensors) {
+  for (nb::handle obj : tensors) {
+    if (obj.is_none()) continue;
+    DLTensor t;
+    if (exchange_view(obj.ptr(), &t) != ExchangeView::kViewed) return false;
+    if (t.device.device_type != kDLCPU || !kernel_dtype(t.dtype) || t.ndim > kMaxDims || !row_major(t))
+      return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 void bind_exchange(nb::module_& m) {
+  m.def("lean_cpu_tensors", &lean_cpu_tensors,
+        "Whether every argument that is not None is a plain torch CPU tensor of a kernel "
+        "dtype, contiguous and not a negated view.");
   m.def("key_facts", &key_facts, nb::arg("key"),
         "(on_cpu, dtypes) of the tensors a list key describes: whether all live in CPU "
         "memory, and their dtypes' names (float32, float16, bfloat16, float64, or other), "

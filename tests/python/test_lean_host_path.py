@@ -683,14 +683,14 @@ def test_a_key_that_is_not_one_is_refused():
     for bad, match in [(key[:-3], "whole 64-bit words"), (key[:-8], "ends inside a record"),
                        (key[56:64], "starts with an adjacent record"),
                        (b"\x00" * 8, "no record starts with the tag")]:
-        with pytest.raises(leanstep.Error, match=match):
+        with pytest.raises(leanstep.Error, match="tensors_from_key: .*" + match):
             GradPlanCore.from_key(bad)
+        with pytest.raises(leanstep.Error, match="key_facts: .*" + match):  # names its caller
+            _leanstep.key_facts(bad)
     assert GradPlanCore.from_key(b"").num_tensors == 0
     _, key = _leanstep.tensor_list_key([torch.zeros(2, dtype=torch.int32), torch.zeros(2),
                                         torch.zeros(2, dtype=torch.complex64)])
     assert _leanstep.key_facts(key) == (True, ("other", "float32"))
-    with pytest.raises(leanstep.Error, match="no record starts with the tag"):
-        _leanstep.key_facts(b"\x00" * 8)
 
 
 # ---------------------------------------------------------------- MoE permute / unpermute
@@ -829,6 +829,61 @@ def test_strided_negated_or_forced_moe_calls_take_the_general_path(torch_gen):
         lt.unpermute(permuted, idx, (12, 5), probs, routing_map)
     with pytest.raises(leanstep.Error, match="num_out_tokens"):
         lt.permute(base.t().contiguous(), routing_map, probs, 3)  # fewer rows than routed
+
+
+def _lean_in_python(t):
+    """The lean MoE path's rule for one tensor, as torch reads it."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cpu
+            and t.dtype in _backend.cpu_dtypes() and t.is_contiguous() and not t.is_neg())
+
+
+class _TensorSubclass(torch.Tensor):
+    pass
+
+
+def test_the_native_lean_check_is_the_python_rule(torch_gen, rng):
+    """lean_cpu_tensors against the same rule read through torch, on random
+    views (size-1 dims with odd strides, empty, transposed, sliced, expanded),
+    every dtype, negated views, subclasses, Parameters and meta tensors."""
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+              torch.float8_e4m3fn]
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        dims = int(rng.integers(0, 4))
+        shape = [int(rng.choice([0, 1, 1, 2, 3, 5])) for _ in range(dims)]
+        dtype = dtypes[int(rng.integers(len(dtypes)))]
+        base = torch.zeros([s + 2 for s in shape], dtype=dtype)
+        kind = int(rng.integers(7))
+        if kind == 0:
+            t = base[tuple(slice(0, s) for s in shape)]  # strided unless all dims tiny
+        elif kind == 1 and dims >= 2:
+            t = base[tuple(slice(0, s) for s in shape)].contiguous().transpose(0, 1)
+        elif kind == 2:
+            t = torch.empty_strided(shape, [int(rng.integers(1, 9)) for _ in shape], dtype=dtype)
+        elif kind == 3 and dims >= 1:
+            t = torch.zeros(shape[:-1] + [1], dtype=dtype).expand(shape)
+        elif kind == 4 and dtype.is_floating_point and dtype != torch.float8_e4m3fn:
+            t = torch._neg_view(torch.zeros(shape, dtype=dtype))
+        elif kind == 5:
+            t = torch.zeros(shape, dtype=dtype).as_subclass(_TensorSubclass)
+        else:
+            t = torch.zeros(shape, dtype=dtype)
+        if rng.integers(4) == 0 and dtype.is_floating_point and not t.is_neg() \
+                and type(t) is torch.Tensor:
+            t = torch.nn.Parameter(t, requires_grad=False)
+        expected = _lean_in_python(t)
+        assert _leanstep.lean_cpu_tensors(t) is expected, (kind, shape, t.stride(), dtype)
+        seen[expected] += 1
+        # With other arguments: every one must pass, None stands for an absent one.
+        ok = torch.zeros(3)
+        assert _leanstep.lean_cpu_tensors(ok, None, t) is expected
+        assert _leanstep.lean_cpu_tensors(t, ok) is expected
+    assert seen[True] > 50 and seen[False] > 50  # both answers were exercised
+    assert _leanstep.lean_cpu_tensors() is True
+    assert _leanstep.lean_cpu_tensors(None) is True
+    assert _leanstep.lean_cpu_tensors(torch.zeros(2, device="meta")) is False
+    assert _leanstep.lean_cpu_tensors(torch.zeros(2).numpy()) is False  # not a torch tensor
 
 
 def test_a_forward_without_rstd_writes_only_y(torch_gen):
