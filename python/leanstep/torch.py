@@ -839,8 +839,8 @@ _MOE_TALLY = {op: _backend.tally(op, "cpu", "cpu", _MOE_WHY)
 def _lean_moe_call(*tensors):
     """Whether these tensors (None for an absent one) take the lean path: plain
     CPU tensors of a kernel dtype, contiguous and not negated views
-    (``lean_cpu_tensors``: one C pass, about 0.15 us for four tensors where the
-    same checks in Python took 1.2), with no output hook and nothing that sees
+    (``lean_cpu_tensors``: one C pass; this call 0.8 us for four tensors where
+    the same checks in Python took 1.2), with no output hook and nothing that sees
     torch ops only. This runs on every permute, unpermute and sort_chunks call."""
     return not (_output_hooks or _torch_ops_only()) and _lean_cpu_tensors(*tensors)
 
@@ -856,8 +856,7 @@ def _new_rows(rows, width, dtype, like):
     without building a shape tuple (about 0.5 us less a call)."""
     if rows * width * dtype.itemsize < _POOLED_BYTES:
         return torch.empty(rows, width, dtype=dtype)
-    return _empty((rows, width), _dtype_name(like) if like.dtype == dtype else str(dtype)[6:],
-                  like)
+    return _new_output((rows, width), dtype, like)
 
 
 class _PermuteFunction(torch.autograd.Function):

@@ -542,35 +542,6 @@ ExchangeView exchange_view(PyObject* obj, DLTensor* out) {
 
 namespace {
 
-// Whether a DLPack dtype is one any leanstep call takes (_arrays.SUPPORTED_DTYPES).
-bool kernel_dtype(DLDataType t) {
-  if (t.lanes != 1) return false;
-  switch (t.code) {
-    case kDLFloat: return t.bits == 16 || t.bits == 32 || t.bits == 64;
-    case kDLBfloat: return t.bits == 16;
-    case kDLInt: return t.bits == 8 || t.bits == 16 || t.bits == 32 || t.bits == 64;
-    case kDLUInt: return t.bits == 8;
-    case 6: return t.bits == 8;  // kDLBool (DLPack >= 0.8; this header may predate it)
-    default: return false;
-  }
-}
-
-// torch's is_contiguous() on a DLPack view: row-major strides wherever a dim has
-// more than one element (a dim of size 1 may have any stride; an empty tensor is
-// contiguous).
-bool row_major(const DLTensor& t) {
-  if (t.strides == nullptr) return true;
-  for (int d = 0; d < t.ndim; ++d)
-    if (t.shape[d] == 0) return true;
-  int64_t expected = 1;
-  for (int d = t.ndim - 1; d >= 0; --d) {
-    if (t.shape[d] == 1) continue;
-    if (t.strides[d] != expected) return false;
-    expected *= t.shape[d];
-  }
-  return true;
-}
-
 // Whether every argument that is not None is a plain torch CPU tensor (Tensor or
 // Parameter, not a subclass) of a kernel dtype, contiguous and not a negated view:
 // the MoE calls' lean path (leanstep.torch._lean_moe_call), one C pass where the
@@ -579,9 +550,16 @@ bool lean_cpu_tensors(nb::args tensors) {
   for (nb::handle obj : tensors) {
     if (obj.is_none()) continue;
     DLTensor t;
-    if (exchange_view(obj.ptr(), &t) != ExchangeView::kViewed) return false;
-    if (t.device.device_type != kDLCPU || !kernel_dtype(t.dtype) || t.ndim > kMaxDims || !row_major(t))
+    if (exchange_view(obj.ptr(), &t) != ExchangeView::kViewed || t.device.device_type != kDLCPU)
       return false;
+    // The library's own reading of a view (its dtypes: _arrays.SUPPORTED_DTYPES; its dims)
+    // and torch's contiguity rule (Tensor::is_contiguous). A view it cannot read (another
+    // dtype, too many dims) is not the lean path's: the router names it.
+    try {
+      if (!Tensor::from_dlpack(t).is_contiguous()) return false;
+    } catch (const Error&) {
+      return false;
+    }
   }
   return true;
 }
