@@ -95,11 +95,14 @@ endif
 # against x86-64's (scripts/test-aarch64.sh). AARCH64_AREAS narrows pass 1 to
 # some areas' tests, plus the harness and the host-memory tests (CI: grad
 # rmsnorm moe); by default, all. AARCH64_SVE_BITS narrows the SVE lengths of
-# pass 3 (CI: 128 256, the two that expose targets of their own).
+# pass 3 (CI: 128 256, the two that expose targets of their own). AARCH64_OWN_TARGETS=1
+# (CI) runs, in passes 2 and 3, only the Highway targets each pass alone exercises.
 AARCH64_AREAS ?=
 AARCH64_SVE_BITS ?=
+AARCH64_OWN_TARGETS ?=
 test-aarch64: sysdeps
-	AARCH64_AREAS="$(AARCH64_AREAS)" AARCH64_SVE_BITS="$(AARCH64_SVE_BITS)" JOBS=$(JOBS) scripts/test-aarch64.sh
+	AARCH64_AREAS="$(AARCH64_AREAS)" AARCH64_SVE_BITS="$(AARCH64_SVE_BITS)" \
+	AARCH64_OWN_TARGETS="$(AARCH64_OWN_TARGETS)" JOBS=$(JOBS) scripts/test-aarch64.sh
 
 test-asan: sysdeps
 	cmake --preset asan >/dev/null

@@ -19,6 +19,7 @@
 // held to the same reference by tests/python/test_*_device.py and
 // test_triton_*.py. Adding an op means one row in the table, its kernels, and
 // one case list here (the static_assert below fails until it exists).
+#include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 
 #include <hwy/targets.h>
@@ -32,6 +33,7 @@
 #include <optional>
 #include <random>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -792,11 +794,84 @@ TEST(Conformance, EveryOpOfTheTableHasCases) {
   EXPECT_EQ(table, covered);
 }
 
+// The targets to run: every one this build generated that the CPU has, or, where
+// LEANSTEP_CONFORMANCE_TARGETS lists Highway target names (space-separated), those
+// alone; each listed name must be one of them (else the test fails, naming it). The
+// aarch64 suite's SVE passes name the targets whose code depends on the vector length,
+// not NEON's (128-bit registers at every SVE length, run in its first pass).
+std::vector<int64_t> targets_to_run() {
+  const std::vector<int64_t> supported = hwy::SupportedAndGeneratedTargets();
+  const char* listed = std::getenv("LEANSTEP_CONFORMANCE_TARGETS");
+  if (listed == nullptr || *listed == '\0') return supported;
+  std::vector<int64_t> chosen;
+  std::string names;
+  for (int64_t target : supported) names += std::string(names.empty() ? "" : " ") + hwy::TargetName(target);
+  std::istringstream words(listed);
+  for (std::string word; words >> word;) {
+    const auto it = std::find_if(supported.begin(), supported.end(),
+                                 [&](int64_t t) { return word == hwy::TargetName(t); });
+    if (it == supported.end()) {
+      ADD_FAILURE() << "LEANSTEP_CONFORMANCE_TARGETS: each name must be a target this CPU runs ("
+                    << names << "), got '" << word << "'";
+      return {};
+    }
+    if (std::find(chosen.begin(), chosen.end(), *it) == chosen.end()) chosen.push_back(*it);
+  }
+  return chosen;
+}
+
+// LEANSTEP_CONFORMANCE_TARGETS as set for the test below, then restored.
+class ConformanceTargetsEnv {
+ public:
+  explicit ConformanceTargetsEnv(const char* value) {
+    const char* old = std::getenv(kName);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    if (value == nullptr) unsetenv(kName);
+    else setenv(kName, value, 1);
+  }
+  ~ConformanceTargetsEnv() {
+    if (had_) setenv(kName, old_.c_str(), 1);
+    else unsetenv(kName);
+  }
+
+ private:
+  static constexpr const char* kName = "LEANSTEP_CONFORMANCE_TARGETS";
+  bool had_ = false;
+  std::string old_;
+};
+
+std::vector<int64_t> chosen_targets;  // static: EXPECT_NONFATAL_FAILURE takes no locals
+
+TEST(Conformance, TargetListNarrowsTheRunAndNamesAnUnknownTarget) {
+  const std::vector<int64_t> supported = hwy::SupportedAndGeneratedTargets();
+  ASSERT_FALSE(supported.empty());
+  {
+    ConformanceTargetsEnv env(nullptr);
+    EXPECT_EQ(targets_to_run(), supported);
+  }
+  {
+    ConformanceTargetsEnv env("");
+    EXPECT_EQ(targets_to_run(), supported);
+  }
+  {
+    const std::string last = hwy::TargetName(supported.back());
+    ConformanceTargetsEnv env((" " + last + "  " + last + " ").c_str());  // spaces, a repeat
+    EXPECT_EQ(targets_to_run(), std::vector<int64_t>{supported.back()});
+  }
+  {
+    ConformanceTargetsEnv env((std::string(hwy::TargetName(supported.front())) + " NO_SUCH_TARGET").c_str());
+    EXPECT_NONFATAL_FAILURE(chosen_targets = targets_to_run(),
+                            "LEANSTEP_CONFORMANCE_TARGETS: each name must be a target this CPU runs");
+    EXPECT_TRUE(chosen_targets.empty());
+  }
+}
+
 TEST(Conformance, EveryImplementationAgreesWithTheReferenceOnEveryTarget) {
   const uint64_t seed = testing::test_seed();
   const std::vector<uint64_t> seeds = {seed, seed + 1};
   const std::vector<OpCases> all = all_cases();
-  std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  std::vector<int64_t> targets = targets_to_run();
   ASSERT_FALSE(targets.empty());
   // Which targets ran is part of the result (on aarch64 under qemu: NEON and
   // the SVE targets qemu's CPU exposes); the CTest log and XML carry it.
