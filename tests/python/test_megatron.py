@@ -2,7 +2,9 @@
 aliases get patched, idempotence, exact restore, refusal of a mismatched
 signature, and result parity with Megatron-Core's own functions on CPU."""
 
+import importlib.metadata
 import inspect
+import os
 import math
 import struct
 import types
@@ -20,6 +22,7 @@ mcore = pytest.importorskip("megatron.core")
 
 import leanstep.megatron as lm  # noqa: E402
 import leanstep.megatron.grad as lm_grad  # noqa: E402
+from leanstep.megatron._patching import megatron_core_version  # noqa: E402
 import megatron.core.optimizer.clip_grads as clip_grads  # noqa: E402
 import megatron.core.optimizer.layer_wise_optimizer as layer_wise_optimizer  # noqa: E402
 import megatron.core.optimizer.optimizer as optimizer  # noqa: E402
@@ -118,7 +121,7 @@ def make_buffer_grads(gen, dtype=torch.float32, scale=1.0, with_empty=True):
 
 def test_install_patches_every_expected_alias(patched):
     r = lm.report()
-    assert r["megatron_core_version"] == mcore.__version__
+    assert r["megatron_core_version"] == importlib.metadata.version("megatron-core")
     assert r["skipped"] == {}
     for name, mods in EXPECTED_ALIASES.items():
         for mod in mods:
@@ -131,6 +134,43 @@ def test_install_patches_every_expected_alias(patched):
     new = torch_norm.WrappedTorchNorm.__dict__["__new__"]
     assert new is not ORIGINAL_NORM_NEW and new.__func__.__leanstep_original__ is ORIGINAL_NORM_NEW.__func__
     assert "installed get_grad_norm_fp32" in lm.format_report()
+
+
+def _fake_megatron(version, directory):
+    return types.SimpleNamespace(__version__=version,
+                                 __file__=os.path.join(directory, "megatron", "core", "__init__.py"))
+
+
+@pytest.mark.parametrize("version, directory, installed, want", [
+    # 0.19's package_info appends `git rev-parse --short HEAD` run in its own directory:
+    # installed in a venv under another checkout, that is the other project's commit.
+    ("0.19.2+98e5a13", "/p/build/venv312/lib/python3.12/site-packages", "0.19.2", "0.19.2"),
+    ("0.19.2+98e5a13", "/usr/lib/python3/dist-packages", "0.19.2", "0.19.2"),
+    # A source checkout: the commit is Megatron-LM's own, kept.
+    ("0.19.2+1a2b3c4", "/src/Megatron-LM", "0.19.2", "0.19.2+1a2b3c4"),
+    # The installed distribution is another version (a checkout shadows it): kept.
+    ("0.19.2+1a2b3c4", "/p/venv/lib/python3.12/site-packages", "0.18.0", "0.19.2+1a2b3c4"),
+    ("0.19.2+1a2b3c4", "/p/venv/lib/python3.12/site-packages", None, "0.19.2+1a2b3c4"),
+    ("0.16.1", "/p/venv/lib/python3.11/site-packages", "0.16.1", "0.16.1"),
+    ("0.20.0rc1+1a2b3c4", "/p/venv/lib/python3.12/site-packages", "0.20.0rc1", "0.20.0rc1"),
+])
+def test_reported_version_drops_a_commit_that_is_not_megatrons(monkeypatch, version, directory,
+                                                               installed, want):
+    def distribution_version(name):
+        assert name == "megatron-core"
+        if installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(importlib.metadata, "version", distribution_version)
+    assert megatron_core_version(_fake_megatron(version, directory)) == want
+
+
+def test_reported_version_of_this_megatron_is_the_installed_distributions():
+    # Installed by pip into this project's venv, inside this project's git checkout: the
+    # report names the release, with no commit of this project attached.
+    assert megatron_core_version(mcore) == importlib.metadata.version("megatron-core")
+    assert megatron_core_version() == megatron_core_version(mcore)
 
 
 def test_second_install_changes_nothing(patched):

@@ -10,7 +10,9 @@ variant is skipped with the reason; a module is never half-patched.
 
 import collections
 import importlib
+import importlib.metadata
 import inspect
+import os
 import sys
 import threading
 
@@ -421,13 +423,42 @@ def _stale_notes():
     return notes
 
 
-def report(patches_table):
-    try:
-        import megatron.core as mcore
+_INSTALL_DIRS = frozenset(("site-packages", "dist-packages"))
 
-        version = getattr(mcore, "__version__", "unknown")
-    except Exception:  # noqa: BLE001
-        version = None
+
+def megatron_core_version(mcore=None):
+    """megatron-core's version as installed, for reports.
+
+    From 0.19, ``megatron.core.__version__`` appends ``+<commit>`` from ``git
+    rev-parse --short HEAD`` run in the package's own directory (package_info,
+    unless NO_VCS_VERSION=1). For a pip install that names no Megatron commit:
+    the command answers for whatever git tree holds the environment (a venv
+    under a project's checkout gives that project's commit). So where the
+    package lives in site-packages and the installed distribution has the
+    version without the suffix, that version is returned; a source checkout,
+    where the commit is Megatron's own, keeps it. ``mcore``: the imported
+    ``megatron.core`` (imported here when None); None when it cannot be."""
+    if mcore is None:
+        try:
+            import megatron.core as mcore
+        except Exception:  # noqa: BLE001
+            return None
+    version = str(getattr(mcore, "__version__", "unknown"))
+    base, plus, _ = version.partition("+")
+    if not plus:
+        return version
+    where = os.path.normpath(os.path.dirname(os.path.abspath(getattr(mcore, "__file__", "") or "")))
+    if not _INSTALL_DIRS.intersection(where.split(os.sep)):
+        return version
+    try:
+        installed = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return version
+    return base if installed == base else version
+
+
+def report(patches_table):
+    version = megatron_core_version()
     with _lock:
         live = {n: labels for n, labels in _live_targets().items() if labels}
         stale = _stale_notes()

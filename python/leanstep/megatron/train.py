@@ -54,6 +54,7 @@ import leanstep.megatron as lm
 from leanstep.audit import DeviceMemory
 
 from . import cpu
+from ._patching import megatron_core_version
 from .lora import apply_lora, is_lora_parameter_name
 from .moe import cpu_kernels
 from .phases import PhaseTimers
@@ -761,7 +762,8 @@ def analyse(args, seconds):
 
     ranks = [json.load(open(os.path.join(args.out, f"results.rank{r}.json")))
              for r in range(args.nproc)]
-    out = {"megatron_core_version": megatron.core.__version__, "python": sys.version.split()[0],
+    out = {"megatron_core_version": megatron_core_version(megatron.core),
+           "python": sys.version.split()[0],
            "seconds": seconds, "settings": {k: v for k, v in vars(args).items()
                                             if k not in ("worker", "json")},
            "ep": {}, "patches": ranks[0]["report"]}
@@ -783,7 +785,8 @@ def analyse(args, seconds):
                 [os.path.join(ep_dir, "crossover")], plan=os.path.join(ep_dir, "plan.json"),
                 baseline="baseline", plot=e["plots"]["steps"],
                 reductions_plot=e["plots"]["reductions"],
-                title=f"megatron-core {megatron.core.__version__}, EP {ep}: step and phases")
+                title=f"megatron-core {megatron_core_version(megatron.core)}, EP {ep}: step "
+                      "and phases")
             plan = json.load(open(os.path.join(ep_dir, "plan.json")))
             e["design"] = {k: plan.get(k) for k in ("design", "block_steps", "cycles", "warmup",
                                                     "exclude_after_transition",
