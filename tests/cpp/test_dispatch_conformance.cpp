@@ -794,6 +794,13 @@ TEST(Conformance, EveryOpOfTheTableHasCases) {
   EXPECT_EQ(table, covered);
 }
 
+// The Highway names of `targets`, space-separated.
+std::string target_names(const std::vector<int64_t>& targets) {
+  std::string names;
+  for (int64_t target : targets) names += std::string(names.empty() ? "" : " ") + hwy::TargetName(target);
+  return names;
+}
+
 // The targets to run: every one this build generated that the CPU has, or, where
 // LEANSTEP_CONFORMANCE_TARGETS lists Highway target names (space-separated), those
 // alone; each listed name must be one of them (else the test fails, naming it). The
@@ -804,15 +811,13 @@ std::vector<int64_t> targets_to_run() {
   const char* listed = std::getenv("LEANSTEP_CONFORMANCE_TARGETS");
   if (listed == nullptr || *listed == '\0') return supported;
   std::vector<int64_t> chosen;
-  std::string names;
-  for (int64_t target : supported) names += std::string(names.empty() ? "" : " ") + hwy::TargetName(target);
   std::istringstream words(listed);
   for (std::string word; words >> word;) {
     const auto it = std::find_if(supported.begin(), supported.end(),
                                  [&](int64_t t) { return word == hwy::TargetName(t); });
     if (it == supported.end()) {
       ADD_FAILURE() << "LEANSTEP_CONFORMANCE_TARGETS: each name must be a target this CPU runs ("
-                    << names << "), got '" << word << "'";
+                    << target_names(supported) << "), got '" << word << "'";
       return {};
     }
     if (std::find(chosen.begin(), chosen.end(), *it) == chosen.end()) chosen.push_back(*it);
@@ -875,8 +880,7 @@ TEST(Conformance, EveryImplementationAgreesWithTheReferenceOnEveryTarget) {
   ASSERT_FALSE(targets.empty());
   // Which targets ran is part of the result (on aarch64 under qemu: NEON and
   // the SVE targets qemu's CPU exposes); the CTest log and XML carry it.
-  std::string names;
-  for (int64_t target : targets) names += std::string(names.empty() ? "" : " ") + hwy::TargetName(target);
+  const std::string names = target_names(targets);
   std::printf("Highway targets run: %s\n", names.c_str());
   RecordProperty("highway_targets", names);
   // Every target of this build's baseline and above that the CPU has, each run.

@@ -4,8 +4,8 @@ signature, and result parity with Megatron-Core's own functions on CPU."""
 
 import importlib.metadata
 import inspect
-import os
 import math
+import os
 import struct
 import types
 import warnings

@@ -785,8 +785,7 @@ def analyse(args, seconds):
                 [os.path.join(ep_dir, "crossover")], plan=os.path.join(ep_dir, "plan.json"),
                 baseline="baseline", plot=e["plots"]["steps"],
                 reductions_plot=e["plots"]["reductions"],
-                title=f"megatron-core {megatron_core_version(megatron.core)}, EP {ep}: step "
-                      "and phases")
+                title=f"megatron-core {out['megatron_core_version']}, EP {ep}: step and phases")
             plan = json.load(open(os.path.join(ep_dir, "plan.json")))
             e["design"] = {k: plan.get(k) for k in ("design", "block_steps", "cycles", "warmup",
                                                     "exclude_after_transition",
