@@ -189,28 +189,49 @@ def test_default_design_is_balanced(argv, conditions, runs, cycles, crossover_ep
     assert all(abs(n - mean) <= 1 for n in follows.values()), follows
 
 
-def test_bad_arguments_are_named_before_any_rank_starts(tmp_path):
+BAD_ARGUMENTS = [(["--ep", "3"], "argument --ep: each size must be >= 1 and divide"),
+                 (["--no-aa", "--runs", "6"], "argument --runs: must be a multiple of 4"),
+                 (["--runs", "4"], "argument --runs: must be a multiple of 5"),
+                 (["--crossover-ep", "2", "--ep", "1"],
+                  "argument --crossover-ep: each size must be one of --ep"),
+                 (["--topk", "9"], "argument --topk: must be <= --experts"),
+                 (["--phases", "nope"], "argument --phases: must name"),
+                 (["--conditions", "all"], "argument --conditions: must name baseline"),
+                 (["--conditions", "baseline,fast"], "argument --conditions: must name baseline"),
+                 (["--conditions", "baseline,all,all"],
+                  "argument --conditions: must name baseline"),
+                 (["--conditions", "baseline,all", "--runs", "10"],
+                  "argument --runs: must be a multiple of 3")]
+
+
+@pytest.mark.parametrize("args,message", BAD_ARGUMENTS)
+def test_bad_arguments_are_named_before_any_rank_starts(args, message, tmp_path, monkeypatch,
+                                                        capsys):
+    # In this process (a fresh interpreter per case cost 2 s each): the job's own main,
+    # with anything that would start a rank replaced by a failure.
+    def no_rank(*a, **k):
+        raise AssertionError(f"a rank was started for {args}")
+    monkeypatch.setattr(main_job, "launch", no_rank)
+    monkeypatch.setattr(main_job, "worker", no_rank)
+    monkeypatch.setattr(subprocess, "run", no_rank)
+    with pytest.raises(SystemExit) as exited:
+        main_job.main([*args, "--out", str(tmp_path / "x")])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_bad_arguments_through_the_command_line(tmp_path):
+    # The command users run: exit status 2 and the message, before torchrun starts.
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(leanstep.__file__))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    for args, message in [(["--ep", "3"], "argument --ep: each size must be >= 1 and divide"),
-                          (["--no-aa", "--runs", "6"], "argument --runs: must be a multiple of 4"),
-                          (["--runs", "4"], "argument --runs: must be a multiple of 5"),
-                          (["--crossover-ep", "2", "--ep", "1"],
-                           "argument --crossover-ep: each size must be one of --ep"),
-                          (["--topk", "9"], "argument --topk: must be <= --experts"),
-                          (["--phases", "nope"], "argument --phases: must name"),
-                          (["--conditions", "all"], "argument --conditions: must name baseline"),
-                          (["--conditions", "baseline,fast"],
-                           "argument --conditions: must name baseline"),
-                          (["--conditions", "baseline,all,all"],
-                           "argument --conditions: must name baseline"),
-                          (["--conditions", "baseline,all", "--runs", "10"],
-                           "argument --runs: must be a multiple of 3")]:
-        done = subprocess.run([sys.executable, "-m", "leanstep.megatron.train", *args,
-                               "--out", str(tmp_path / "x")], env=env, capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+    args, message = BAD_ARGUMENTS[0]
+    done = subprocess.run([sys.executable, "-m", "leanstep.megatron.train", *args,
+                           "--out", str(tmp_path / "x")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+    assert not (tmp_path / "x").exists()
 
 
 def test_the_host_bound_config_sets_the_shape_and_explicit_flags_win():

@@ -82,26 +82,52 @@ def tiny_model_dir(tmp_path_factory):
     return folder
 
 
-def swift_sft(folder, out, *extra):
+def start_swift_sft(folder, out, *extra):
+    """``swift sft`` started in a process of its own (one thread): the caller runs
+    two side by side (most of each is ms-swift's start-up) and reads each with
+    :func:`finish_swift_sft`."""
     command = [str(pathlib.Path(sys.executable).parent / "swift"), "sft", "--model", str(folder),
                "--model_type", "qwen3_moe", "--template", "qwen3", "--dataset",
                str(folder / "data.jsonl"), "--tuner_type", "lora", "--target_modules", "q_proj",
                "v_proj", "--max_steps", "3", "--per_device_train_batch_size", "4",
                "--logging_steps", "1", "--save_strategy", "no", "--output_dir", str(out),
                "--report_to", "none", "--dataloader_num_workers", "0", "--max_grad_norm", "0.5",
-               "--torch_dtype", "float32", "--use_hf", "true", "--seed", "0", *extra]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
+               "--torch_dtype", "float32", "--use_hf", "true", "--seed", "0",
+               # A local model: no hub query (it retries, with back-off, where there is
+               # no network).
+               "--check_model", "false", *extra]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}), out
+
+
+def finish_swift_sft(started):
+    """(loss, grad_norm) of each logged step, and the run's output."""
+    run, out = started
+    try:
+        stdout, stderr = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 0, stderr[-3000:]
     (log,) = out.glob("v*/logging.jsonl")
     rows = [json.loads(line) for line in log.read_text().splitlines()]
-    return [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r], run.stdout + run.stderr
+    return [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r], stdout + stderr
 
 
 def test_swift_sft_with_the_plugin_equals_the_plain_run(tiny_model_dir, tmp_path):
-    baseline, _ = swift_sft(tiny_model_dir, tmp_path / "plain")
-    ours, output = swift_sft(tiny_model_dir, tmp_path / "leanstep", "--external_plugins",
-                             str(PLUGIN), "--callbacks", lts.NAME)
+    plain = start_swift_sft(tiny_model_dir, tmp_path / "plain")
+    try:
+        with_plugin = start_swift_sft(tiny_model_dir, tmp_path / "leanstep", "--external_plugins",
+                                      str(PLUGIN), "--callbacks", lts.NAME)
+    except BaseException:
+        plain[0].kill()
+        plain[0].communicate()
+        raise
+    try:
+        ours, output = finish_swift_sft(with_plugin)
+    finally:
+        baseline, _ = finish_swift_sft(plain)
     assert "leanstep.transformers: 9 RMSNorm modules swapped" in output
     assert len(ours) == len(baseline) == 3
     for (loss, norm), (loss0, norm0) in zip(ours, baseline):
