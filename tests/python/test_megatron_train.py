@@ -11,6 +11,7 @@ Data parallelism: 2 ranks x 1 microbatch and 1 rank x 2 microbatches compute
 the same mean gradient, summed in another order: 1e-5 relative.
 """
 
+import copy
 import json
 import os
 import subprocess
@@ -90,8 +91,15 @@ def test_two_ranks_equal_one_rank_on_the_combined_batch_and_need_the_grad_sync(t
     assert hashes["0"] != hashes["1"]
 
 
-def test_quick_crossover_at_ep_1_and_2(tmp_path):
-    r = run_job(tmp_path, "--quick", "--ep", "1,2", "--crossover-ep", "1,2")
+@pytest.fixture(scope="module")
+def quick_crossover(tmp_path_factory):
+    """(folder, result) of a --quick job with the crossover at EP 1 and 2."""
+    tmp_path = tmp_path_factory.mktemp("quick_crossover")
+    return tmp_path, run_job(tmp_path, "--quick", "--ep", "1,2", "--crossover-ep", "1,2")
+
+
+def test_quick_crossover_at_ep_1_and_2(quick_crossover):
+    tmp_path, r = quick_crossover
     for ep in ("1", "2"):
         e = r["ep"][ep]
         versus = {c["condition"] for c in e["crossover"]["comparisons"]
@@ -139,11 +147,9 @@ def test_quick_crossover_at_ep_1_and_2(tmp_path):
     assert logs == ["steps.rank0.jsonl", "steps.rank1.jsonl"]
 
 
-def test_aa_condition_is_the_baseline_again_with_an_interval_over_runs(tmp_path):
-    # The defaults: the A/A condition is on, and the crossover runs at the first EP size only.
-    r = run_job(tmp_path, "--quick", "--ep", "1,2", "--runs", "5", "--phases", "crossover")
-    assert "crossover" not in r["ep"]["2"]
-    assert not (tmp_path / "job" / "ep2" / "plan.json").exists()
+def test_aa_condition_is_the_baseline_again_with_an_interval_over_runs(quick_crossover):
+    # On the quick crossover's run (one job for both tests: each costs tens of seconds).
+    tmp_path, r = quick_crossover
     xo = r["ep"]["1"]["crossover"]
     assert [c["condition"] for c in xo["conditions"]] == ["baseline", "rmsnorm", "grad", "all",
                                                           "baseline-aa"]
@@ -154,7 +160,23 @@ def test_aa_condition_is_the_baseline_again_with_an_interval_over_runs(tmp_path)
     assert len(plan["runs"]) == 5 and all(len(run["blocks"]) == 5 for run in plan["runs"])
     text = main_job.format_results(r)
     assert "baseline-aa" in text and "A/A: the baseline again" in text
-    assert "crossover: not run at this EP size (--crossover-ep 1)" in text
+
+
+def test_the_crossover_runs_at_the_first_ep_size_unless_told(quick_crossover):
+    # The defaults: the A/A condition is on, and the crossover runs at the first EP size
+    # only (the worker asks crossover_at for each EP size).
+    ap = main_job.build_parser()
+    args = ap.parse_args(["--quick", "--ep", "1,2", "--dtype", "fp32"])
+    main_job.check_args(ap, args)
+    assert [main_job.crossover_at(args, ep) for ep in (1, 2)] == [True, False]
+    assert main_job.crossover_conditions(args)[-1] == "baseline-aa"
+    # How a result without a crossover at an EP size reads.
+    _, r = quick_crossover
+    r = copy.deepcopy(r)
+    del r["ep"]["2"]["crossover"]
+    r["settings"]["crossover_ep_sizes"] = [1]
+    text = main_job.format_results(r)
+    assert "-- EP 2\n  crossover: not run at this EP size (--crossover-ep 1)" in text
 
 
 @pytest.mark.parametrize("argv, conditions, runs, cycles, crossover_eps", [
