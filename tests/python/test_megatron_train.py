@@ -179,6 +179,29 @@ def test_the_crossover_runs_at_the_first_ep_size_unless_told(quick_crossover):
     assert "-- EP 2\n  crossover: not run at this EP size (--crossover-ep 1)" in text
 
 
+def test_the_launcher_plans_the_crossover_at_the_first_ep_size_only(tmp_path, monkeypatch):
+    # The launcher in this process, torchrun replaced by a run that fails: what it wrote
+    # before starting the ranks (a plan where the crossover runs, none elsewhere) and the
+    # command and arguments the ranks would get.
+    started = []
+
+    def ranks_fail(cmd, env=None, **kwargs):
+        started.append((cmd, env))
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(subprocess, "run", ranks_fail)
+    out = tmp_path / "job"
+    argv = ["--quick", "--ep", "1,2", "--dtype", "fp32", "--out", str(out)]
+    assert main_job.main(argv) == 1
+    ((cmd, env),) = started
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node"]
+    assert cmd[-3:] == ["-m", "leanstep.megatron.train", "--worker"]
+    assert json.loads(env["LEANSTEP_TRAIN_ARGV"]) == argv
+    plan = json.load(open(out / "ep1" / "plan.json"))
+    assert plan["conditions"][-1] == "baseline-aa" and len(plan["runs"]) == 5
+    assert (out / "ep2" / "crossover").is_dir() and not (out / "ep2" / "plan.json").exists()
+
+
 @pytest.mark.parametrize("argv, conditions, runs, cycles, crossover_eps", [
     ([], 5, 10, 5, [1]),                        # the main job's design: A/A on, EP 1
     (["--no-aa"], 4, 8, 4, [1]),

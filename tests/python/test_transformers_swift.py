@@ -8,6 +8,7 @@ the bound of test_transformers_trainer.py), with its norms swapped."""
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import types
@@ -83,9 +84,9 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def start_swift_sft(folder, out, *extra):
-    """``swift sft`` started in a process of its own (one thread): the caller runs
+    """``swift sft`` started in a process group of its own (one thread): the caller runs
     two side by side (most of each is ms-swift's start-up) and reads each with
-    :func:`finish_swift_sft`."""
+    :func:`finish_swift_sft`. The group: ms-swift's command runs the job in a child."""
     command = [str(pathlib.Path(sys.executable).parent / "swift"), "sft", "--model", str(folder),
                "--model_type", "qwen3_moe", "--template", "qwen3", "--dataset",
                str(folder / "data.jsonl"), "--tuner_type", "lora", "--target_modules", "q_proj",
@@ -97,7 +98,18 @@ def start_swift_sft(folder, out, *extra):
                # no network).
                "--check_model", "false", *extra]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}), out
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            start_new_session=True), out
+
+
+def stop_swift_sft(run):
+    """Kills a job's whole process group (ms-swift's command and the job it started)."""
+    if run.poll() is None:
+        try:
+            os.killpg(run.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    run.communicate(timeout=60)
 
 
 def finish_swift_sft(started):
@@ -105,10 +117,9 @@ def finish_swift_sft(started):
     run, out = started
     try:
         stdout, stderr = run.communicate(timeout=300)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
+    except BaseException:
+        stop_swift_sft(run)
+        raise
     assert run.returncode == 0, stderr[-3000:]
     (log,) = out.glob("v*/logging.jsonl")
     rows = [json.loads(line) for line in log.read_text().splitlines()]
@@ -118,16 +129,13 @@ def finish_swift_sft(started):
 def test_swift_sft_with_the_plugin_equals_the_plain_run(tiny_model_dir, tmp_path):
     plain = start_swift_sft(tiny_model_dir, tmp_path / "plain")
     try:
-        with_plugin = start_swift_sft(tiny_model_dir, tmp_path / "leanstep", "--external_plugins",
-                                      str(PLUGIN), "--callbacks", lts.NAME)
+        ours, output = finish_swift_sft(start_swift_sft(
+            tiny_model_dir, tmp_path / "leanstep", "--external_plugins", str(PLUGIN),
+            "--callbacks", lts.NAME))
     except BaseException:
-        plain[0].kill()
-        plain[0].communicate()
+        stop_swift_sft(plain[0])
         raise
-    try:
-        ours, output = finish_swift_sft(with_plugin)
-    finally:
-        baseline, _ = finish_swift_sft(plain)
+    baseline, _ = finish_swift_sft(plain)
     assert "leanstep.transformers: 9 RMSNorm modules swapped" in output
     assert len(ours) == len(baseline) == 3
     for (loss, norm), (loss0, norm0) in zip(ours, baseline):
