@@ -29,11 +29,17 @@ SMALL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "
          "--moe-ffn", "64", "--seq", "32", "--micro-batch", "2"]
 
 
-def run_job(tmp_path, *extra, name="job"):
-    out = tmp_path / name
+def job_env():
+    """This environment, with the leanstep this process imported first on the path."""
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(leanstep.__file__))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return env
+
+
+def run_job(tmp_path, *extra, name="job"):
+    out = tmp_path / name
+    env = job_env()
     cmd = [sys.executable, "-m", "leanstep.megatron.train", *SMALL, "--out", str(out), "--json",
            *extra]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -268,12 +274,9 @@ def test_bad_arguments_are_named_before_any_rank_starts(args, message, tmp_path,
 
 def test_bad_arguments_through_the_command_line(tmp_path):
     # The command users run: exit status 2 and the message, before torchrun starts.
-    env = dict(os.environ)
-    package_root = os.path.dirname(os.path.dirname(leanstep.__file__))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     args, message = BAD_ARGUMENTS[0]
     done = subprocess.run([sys.executable, "-m", "leanstep.megatron.train", *args,
-                           "--out", str(tmp_path / "x")], env=env, capture_output=True,
+                           "--out", str(tmp_path / "x")], env=job_env(), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
     assert not (tmp_path / "x").exists()
