@@ -24,6 +24,18 @@ __all__ = ["GradPlan", "multi_tensor_scale", "build_ddp_buffers", "ddp_grad_buff
 INF = float("inf")
 
 
+#: {(op, reason): counter} of the calls the CPU kernels run for a plan: each call
+#: counted by one ``next``, without record's lock and key tuples (see _backend.tally).
+_cpu_counters = {}
+
+
+def _cpu_counter(op, reason):
+    counter = _cpu_counters.get((op, reason))
+    if counter is None:
+        counter = _cpu_counters[op, reason] = _backend.tally(op, "cpu", "cpu", reason)
+    return counter
+
+
 def _scalar(dtype, like, zeroed=True):
     """A 1-element array in like's framework; ``zeroed=False`` for an output the
     kernel writes whole (a norm): no zero fill, one framework op fewer a call."""
@@ -140,6 +152,15 @@ class GradPlan:
             self._core = Native(_leanstep.GradPlanCore.from_key(_key))
         else:
             self._core = Native(native.GradPlanCore(self._grads, self._buffers))
+        # Read once: what no later call changes. The CPU kernels' core is wrapped
+        # (Native: a tensor argument the extension refuses goes again as a capsule); a
+        # call that passes no tensor goes to the extension's own object, without the
+        # wrapper's attribute lookup and closure per call (several microseconds each
+        # in the cold state a step leaves behind: measured right after a fresh list
+        # of 3168 views).
+        core = self._core
+        self._plain_core = core._target if isinstance(core, Native) else core
+        self.first_self_overlapping = self._plain_core.first_self_overlapping
         # `_key`: the exact key (tensor_list_key's bytes) of `grads`, where the caller
         # (leanstep._plans.PlanCache) read it already: the same bytes fingerprint() reads.
         # (fingerprint() of an empty list is None, whatever its key.)
@@ -198,6 +219,33 @@ class GradPlan:
             bound._torch_plan = plan
         return bound
 
+    @property
+    def _base_index(self):
+        """For a plan to be found again from a key alone (PlanCache.recall): the
+        list index of the one grad binding it needs, -1 where it needs none (the
+        CPU kernels read the memory through the native plan), None where it
+        needs the whole list (a device plan of several regions)."""
+        if self.backend == "cpu":
+            return -1
+        return self._torch_plan.base_index
+
+    def _bound_base(self, grad, like):
+        """A template (:meth:`_unbound`) bound for one call over a list whose key
+        the caller matched with the plan's, of which it holds ``grad``, the one
+        at :attr:`_base_index` (None for the CPU kernels); ``like`` makes the
+        outputs where there is no grad. None where a device plan's region is not
+        that grad's base now."""
+        bound = object.__new__(type(self))
+        bound.__dict__.update(self.__dict__)
+        bound._grads = () if grad is None else (grad,)
+        bound._like = like if grad is None else grad
+        if self.backend in ("torch", "triton"):
+            plan = self._torch_plan.bind_base(grad)
+            if plan is None:
+                return None
+            bound._torch_plan = plan
+        return bound
+
     def is_current(self):
         """Whether every grad still has the memory and size it had when the
         plan was built (one C-level pass over the list)."""
@@ -214,7 +262,7 @@ class GradPlan:
         """In-place ops refuse a self-overlapping grad (expand(), stride 0) on
         every backend alike: the planner found it once, when the plan was built."""
         self._check_current(op)
-        index = self._core.first_self_overlapping
+        index = self.first_self_overlapping
         if index >= 0:
             raise _self_overlap_error(self._grads[index], f"GradPlan.{op}", f"grads[{index}]")
 
@@ -224,10 +272,10 @@ class GradPlan:
         built on Triton runs the torch-op plan inside it when the preset
         switches the op off or its kernels do not take the call). The device
         plan is None for the CPU kernels."""
-        name = f"grad.{op}"
         if self.backend == "cpu":
-            _registry.record(name, "cpu", "cpu", self._reason)
+            next(_cpu_counter(f"grad.{op}", self._reason))
             return "cpu", None
+        name = f"grad.{op}"
         backend, why = _registry.settle(name, self.backend, self._reason,
                                         args={"plan": self._torch_plan, "norm_type": norm_type})
         plan = self._torch_plan
@@ -358,7 +406,7 @@ class GradPlan:
             plan.scale(_maybe_view(scale))
             return
         if isinstance(scale, numbers.Real):
-            self._core.scale_by(float(scale))
+            self._plain_core.scale_by(float(scale))
             return
         self._core.scale(view(scale))
 

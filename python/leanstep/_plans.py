@@ -9,7 +9,7 @@ import threading
 import torch
 
 from . import _backend, _leanstep
-from ._leanstep import grads_and_key, key_facts, tensor_list_key
+from ._leanstep import grads_and_key, grads_match_key, key_facts, tensor_list_key
 from .backends.torch_grad import PLAN_DTYPES
 
 if "grad" in _leanstep.areas:  # a build without the grad area plans nothing
@@ -74,6 +74,9 @@ class PlanCache:
         self._by_key = {}
         self._order = []
         self._lock = threading.Lock()
+        #: {site: (exact key, backend, template)}: the plan a call site used last
+        #: (see :meth:`recall`).
+        self._last = {}
 
     @staticmethod
     def key(grads):
@@ -95,7 +98,7 @@ class PlanCache:
         (expand(), stride 0) goes to Megatron's own code, which decides.
         ``key``: :meth:`key` of ``grads``, where the caller has it."""
         plan, reason = self._get(grads, key or self.key(grads))
-        if in_place and plan is not None and plan._core.first_self_overlapping >= 0:
+        if in_place and plan is not None and plan.first_self_overlapping >= 0:
             return None, "self_overlapping_grad"
         return plan, reason
 
@@ -122,6 +125,48 @@ class PlanCache:
             # plan's operations need not read them again (a key pass each, otherwise).
             plan._fingerprint = None
         return plan, reason
+
+    def remember(self, site, key):
+        """Keeps the plan cached under ``key`` (a key read from C) as the one
+        ``site`` (a call site: one patched function and grad attribute) used
+        last, for :meth:`recall`."""
+        if key is None or type(key[1]) is not bytes:
+            return
+        with self._lock:
+            entry = self._by_key.get((key[0], self.backend))
+            if entry is not None and entry[0] == key[1] and entry[1] is not None and \
+                    entry[1]._base_index is not None:
+                self._last[site] = (key[1], self.backend, entry[1])
+
+    def recall(self, site, params, attr="grad"):
+        """The template (:meth:`GradPlan._unbound`) of the plan ``site`` used
+        last, where the ``attr`` grads of ``params`` (a list or tuple) have
+        exactly its key, else None. One C pass that makes no list and no key
+        and stops at the first difference: a training loop that passes a fresh
+        list of fresh views of the same memory each step finds its plan for the
+        cost of reading the grads alone. The key compared is the plan cache's
+        own (every grad's address, shape, strides, dtype and device), so a
+        template found here names exactly the memory the grads cover now, which
+        the caller holds for the call: its native plan's pointers are those
+        grads'. A device plan is recalled where it views one region through
+        one grad's base (Megatron's grad buffer): the pass returns that grad."""
+        last = self._last.get(site)
+        if last is None or last[1] != self.backend:
+            return None
+        exact, _, template = last
+        index = template._base_index
+        found = grads_match_key(params, attr, exact, index)
+        if found is None:
+            return None
+        # Bound for this call without the list (none was made). The CPU kernels read
+        # the grads' memory through the native plan, and make outputs like a torch
+        # tensor on the CPU, as the grads' first would.
+        plan = template._bound_base(None if index < 0 else found, EMPTY_LIKE)
+        if plan is None:  # the region is no longer that grad's base: not again
+            with self._lock:
+                if self._last.get(site) is last:
+                    del self._last[site]
+        return plan
 
     def __len__(self):
         with self._lock:
@@ -161,3 +206,4 @@ class PlanCache:
         with self._lock:
             self._by_key.clear()
             self._order.clear()
+            self._last.clear()

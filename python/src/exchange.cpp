@@ -81,6 +81,15 @@ class KeyBuilder {
  public:
   explicit KeyBuilder(size_t n) { words_.reserve(n + 8); }
 
+  // A builder that compares its words with `expected` (a key's bytes) as it makes
+  // them, keeping none: mismatched() turns true at the first word that differs, so
+  // a caller stops reading the list there; matched() says whether the whole key was
+  // made, word for word.
+  explicit KeyBuilder(std::string_view expected) : expected_(expected), matching_(true) {}
+
+  bool mismatched() const { return mismatched_; }
+  bool matched() const { return !mismatched_ && at_ * sizeof(uint64_t) == expected_.size(); }
+
   // False when `obj` cannot be described (the caller keys the list in Python).
   bool add(PyObject* obj) {
     PyTypeObject* type = Py_TYPE(obj);
@@ -153,6 +162,16 @@ class KeyBuilder {
  private:
 
   void word(uint64_t v) {
+    if (matching_) {
+      uint64_t w = 0;
+      if (mismatched_ || (at_ + 1) * sizeof(uint64_t) > expected_.size()) {
+        mismatched_ = true;
+        return;
+      }
+      std::memcpy(&w, expected_.data() + at_++ * sizeof(uint64_t), sizeof w);
+      mismatched_ = w != v;
+      return;
+    }
     words_.push_back(v);
     // A multiply-xorshift mix per word: a dict key, not a security boundary (a
     // collision costs one memcmp that says "different").
@@ -161,6 +180,10 @@ class KeyBuilder {
   }
 
   std::vector<uint64_t> words_;
+  std::string_view expected_;  // match mode: the key compared against
+  bool matching_ = false;
+  bool mismatched_ = false;
+  size_t at_ = 0;  // match mode: words compared so far
   uint64_t hash_ = 0x243F6A8885A308D3ull;
   PyTypeObject* last_type_ = nullptr;
   const ExchangeApi* api_ = nullptr;
@@ -370,6 +393,40 @@ nb::object grads_and_key(nb::handle params, nb::str name, nb::object flag, nb::h
   }
   nb::object out = key.result();
   return nb::make_tuple(grads.list(), out[0], out[1]);
+}
+
+// Whether the key of getattr(p, name) over `params` (as grads_and_key makes it) is
+// `key`, found in one pass that makes no list and no bytes and stops at the first
+// word that differs: for a caller that keeps the key of the list it planned last
+// (Megatron's fresh list of fresh views each step), a hit costs the attribute
+// reads alone. None on a mismatch or a grad that cannot be described; on a match,
+// the `index`-th of the grads that are not None (the one a device plan views its
+// region through), or True where `index` is negative.
+nb::object grads_match_key(nb::handle params, nb::str name, nb::bytes key, Py_ssize_t index) {
+  PyObject* seq = params.ptr();
+  if (!PyList_Check(seq) && !PyTuple_Check(seq))
+    throw nb::type_error("grads_match_key: argument 'params' must be a list or tuple");
+  // The key's bytes, held for the call: a getter may run Python, never this object's.
+  const nb::bytes expected = nb::borrow<nb::bytes>(key);
+  KeyBuilder match(std::string_view(expected.c_str(), expected.size()));
+  AttrGetter get_grad(name.ptr());
+  nb::object wanted = index < 0 ? nb::object(nb::bool_(true)) : nb::object();
+  Py_ssize_t found = 0;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    const nb::object param = nb::borrow(PySequence_Fast_GET_ITEM(seq, i));
+    PyObject* grad = get_grad.get(param.ptr());
+    if (grad == nullptr) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw nb::python_error();
+      PyErr_Clear();  // getattr(param, name, None)
+      continue;
+    }
+    nb::object owned = nb::steal(grad);
+    if (grad == Py_None) continue;
+    if (!match.add(grad) || match.mismatched()) return nb::none();
+    if (found++ == index) wanted = std::move(owned);
+  }
+  if (!match.matched() || !wanted.is_valid()) return nb::none();
+  return wanted;
 }
 
 // (grads, hash, key) of the params a caller's cached selection counts, or False
@@ -585,6 +642,11 @@ void bind_exchange(nb::module_& m) {
         "and their key as tensor_list_key gives it; None when some grad has no description. "
         "With flag: only params whose attribute flag is counted (those whose flag is skipped "
         "are left out); False when a param has neither.");
+  m.def("grads_match_key", &grads_match_key, nb::arg("params"), nb::arg("name"), nb::arg("key"),
+        nb::arg("index") = -1,
+        "Whether grads_and_key(params, name) would give the key `key` (bytes), in one pass "
+        "that stops at the first difference: None if not (or a grad cannot be described), "
+        "else the index-th grad that is not None (True for a negative index).");
   m.def("selected_grads_and_key", &selected_grads_and_key, nb::arg("params"), nb::arg("name"),
         nb::arg("ids"), nb::arg("counted"),
         "(grads, hash, key) as grads_and_key gives them for the params whose byte in counted "

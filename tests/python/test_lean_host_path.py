@@ -6,9 +6,11 @@ re-pointed grads) must be seen."""
 
 import struct
 import sys
+import types
 import warnings
 
 import pytest
+
 import torch
 
 import leanstep
@@ -346,6 +348,151 @@ def test_grads_and_key_reads_the_named_attribute_in_order():
     assert _leanstep.grads_and_key(params, "grad", "flag", counted, skipped) is False
     with pytest.raises(TypeError):
         _leanstep.grads_and_key(iter(params), "grad")
+
+
+def test_grads_match_key_answers_as_grads_and_key_would():
+    """grads_match_key(params, name, key) holds exactly when grads_and_key would give
+    `key`; it returns the index-th grad that is not None, and stops at the first
+    difference (a later param's attribute is never read)."""
+    buf = torch.arange(40, dtype=torch.float32)
+    params = [types.SimpleNamespace(grad=None) for _ in range(5)]
+
+    def point(grads):
+        for p, g in zip(params, grads):
+            p.grad = g
+
+    point([buf[0:8], None, buf[8:24].view(4, 4), buf[24:25], buf[25:40]])
+    _, _, key = _leanstep.grads_and_key(params, "grad")
+    point([buf[0:8], None, buf[8:24].view(4, 4), buf[24:25], buf[25:40]])  # fresh views
+    assert _leanstep.grads_match_key(params, "grad", key) is True
+    assert _leanstep.grads_match_key(tuple(params), "grad", key) is True
+    assert _leanstep.grads_match_key(params, "grad", key, 0).data_ptr() == buf.data_ptr()
+    assert _leanstep.grads_match_key(params, "grad", key, 1) is params[2].grad  # None skipped
+    assert _leanstep.grads_match_key(params, "grad", key, 4) is None  # 4 grads
+    changes = [
+        [buf[1:9], None, buf[9:25].view(4, 4), buf[25:26], buf[26:40]],   # moved
+        [buf[0:8], None, buf[8:24].view(4, 4).t(), buf[24:25], buf[25:40]],  # strides
+        [buf[0:8], None, buf[8:24], buf[24:25], buf[25:40]],              # shape
+        [buf[0:8], buf[8:9], buf[8:24].view(4, 4), buf[24:25], buf[25:40]],  # one more
+        [buf[0:8], None, buf[8:24].view(4, 4), buf[24:25], None],         # one fewer
+        [buf[0:8], None, buf[8:24].view(4, 4), buf[24:25], buf[25:39]],   # last one shorter
+        [buf[0:8], None, buf[8:24].view(4, 4), buf[24:25].double(), buf[25:40]],  # dtype
+    ]
+    for grads in changes:
+        point(grads)
+        assert _leanstep.grads_match_key(params, "grad", key) is None
+        assert _leanstep.grads_match_key(params, "grad", key, 0) is None
+        assert _leanstep.grads_and_key(params, "grad")[2] != key
+    point([buf[0:8], None, buf[8:24].view(4, 4), buf[24:25], buf[25:40]])
+    assert _leanstep.grads_match_key(params[:-1], "grad", key) is None  # the key goes on
+    assert _leanstep.grads_match_key(params, "grad", key + key[-8:]) is None
+    assert _leanstep.grads_match_key(params, "grad", key[:-8]) is None
+    assert _leanstep.grads_match_key(params, "grad", b"") is None
+    assert _leanstep.grads_match_key([], "grad", b"") is True
+    assert _leanstep.grads_match_key([torch.nn.Parameter(torch.zeros(2))],
+                                     "grad", b"") is True  # no grad: the empty key
+
+    class Raising:
+        @property
+        def grad(self):
+            raise RuntimeError("read after the first difference")
+
+    moved = [types.SimpleNamespace(grad=buf[1:9])]
+    assert _leanstep.grads_match_key(moved + [Raising()], "grad", key) is None
+    with pytest.raises(RuntimeError, match="read after"):
+        _leanstep.grads_match_key(params[:1] + [Raising()], "grad", key)
+    meta = types.SimpleNamespace(grad=torch.zeros(8, device="meta"))
+    assert _leanstep.grads_match_key([meta], "grad", key) is None  # no description: no match
+    with pytest.raises(TypeError):
+        _leanstep.grads_match_key(iter(params), "grad", key)
+
+
+def test_plan_cache_recalls_a_sites_last_plan_for_the_same_memory_only():
+    """PlanCache.recall finds the CPU plan a site remembered when the grads cover the
+    same memory; another site, a forced backend, another layout or a cleared cache
+    find none. A torch-op plan is remembered where it views one region through
+    one grad's base (below), not where it has several regions (views with gaps)."""
+    from leanstep._plans import PlanCache, grads_with_key
+
+    buf = torch.randn(48)
+    params = [torch.nn.Parameter(torch.zeros(15)) for _ in range(3)]
+
+    def fresh(shift=0):
+        for i, p in enumerate(params):
+            p.grad = buf[shift + 16 * i:shift + 16 * i + 15]
+
+    cache = PlanCache()
+    fresh()
+    grads, key = grads_with_key(params)
+    plan, reason = cache.get(grads, key=key)
+    assert reason is None and plan.backend == "cpu"
+    assert cache.recall("site", params) is None  # nothing remembered yet
+    cache.remember("site", key)
+    fresh()
+    recalled = cache.recall("site", params)
+    assert recalled is not None and recalled.backend == "cpu"
+    before = buf.clone()
+    recalled.scale_(2.0)  # the grads' memory, and only theirs
+    covered = torch.zeros(48, dtype=torch.bool)
+    for i in range(3):
+        covered[16 * i:16 * i + 15] = True
+    assert torch.equal(buf, torch.where(covered, before * 2, before))
+    assert cache.recall("another site", params) is None
+    fresh(shift=1)
+    assert cache.recall("site", params) is None
+    fresh()
+    cache.backend = "torch"
+    assert cache.recall("site", params) is None
+    plan, _ = cache.get(grads_with_key(params)[0], key=grads_with_key(params)[1])
+    assert plan.backend == "torch"
+    cache.remember("torch site", grads_with_key(params)[1])
+    assert cache.recall("torch site", params) is None
+    cache.backend = None
+    assert cache.recall("site", params) is not None
+    cache.clear()
+    assert cache.recall("site", params) is None
+
+
+def test_plan_cache_recalls_a_torch_op_plan_through_its_buffers_base():
+    """A torch-op plan over views laid end to end over a whole buffer is recalled
+    with the buffer (the first grad's base) and scales exactly that memory; where
+    the memory is the same but its base is no longer the region (a 2-d tensor at
+    the same address), the recall binds nothing, and the site's memory is dropped
+    (the general path decides, and its pass is not wasted again)."""
+    from leanstep._plans import PlanCache, grads_with_key
+
+    storage_owner = torch.randn(48)
+    params = [torch.nn.Parameter(torch.zeros(16)) for _ in range(3)]
+
+    def fresh(base):
+        flat = base.view(-1)
+        for i, p in enumerate(params):
+            p.grad = flat[16 * i:16 * (i + 1)]
+
+    cache = PlanCache()
+    cache.backend = "torch"
+    fresh(storage_owner)
+    grads, key = grads_with_key(params)
+    plan, reason = cache.get(grads, key=key)
+    assert reason is None and plan.backend == "torch" and plan._base_index == 0
+    cache.remember("site", key)
+    fresh(storage_owner)
+    recalled = cache.recall("site", params)
+    assert recalled is not None and recalled.backend == "torch"
+    before = storage_owner.clone()
+    recalled.scale_(0.5)
+    assert torch.equal(storage_owner, before * 0.5)
+    same_memory_2d = torch.empty(0).set_(storage_owner.untyped_storage(), 0, (24, 2))
+    fresh(same_memory_2d)
+    assert grads_with_key(params)[1] == key  # the same memory, by its key
+    assert cache.recall("site", params) is None
+    fresh(storage_owner)
+    assert cache.recall("site", params) is None  # dropped: not tried again
+    grads, key = grads_with_key(params)
+    plan, reason = cache.get(grads, key=key)  # the general path still takes them
+    assert reason is None
+    plan.scale_(2.0)
+    assert torch.equal(storage_owner, before)
 
 
 def test_grads_and_key_reads_grad_as_getattr_does_for_every_type():

@@ -331,6 +331,99 @@ def test_clip_with_a_tensor_norm_uses_the_device_coefficient(patched, torch_gen)
         assert torch.equal(g, b * coeff)
 
 
+@pytest.mark.parametrize("backend", [None, "torch"])
+@pytest.mark.parametrize("norm_kind", ["float", "leanstep_fp64", "fp32_tensor"])
+def test_clip_over_calls_recalls_its_plan_only_for_the_same_memory(norm_kind, backend, patched,
+                                                                   megatron_on_cpu, monkeypatch,
+                                                                   torch_gen):
+    """Fresh views of the same memory each call (Megatron's distributed optimizer, each
+    step) find the plan the clip used last with no key and no list made (no general
+    pass), on the CPU kernels and on the torch-op backend (through the buffer the views
+    cover whole). Whatever changes the memory a grad covers goes the general way: a grad
+    re-pointed to other memory, re-strided or resized at its address, set to None, a
+    param more or fewer, views laid out in another order. Every call scales the grads
+    as Megatron's own clip does, bit for bit, and nothing else."""
+    monkeypatch.setattr(lm_grad.plans, "backend", backend)
+    general = {"passes": 0}
+    keyed = lm_grad.grads_with_key
+
+    def spy(*args):
+        general["passes"] += 1
+        return keyed(*args)
+
+    monkeypatch.setattr(lm_grad, "grads_with_key", spy)
+    sizes = [17, 1, 64, 5, 33, 2]
+    buf = randn((sum(sizes),), torch.float32, torch_gen)  # the views cover it whole
+    other = randn((64,), torch.float32, torch_gen)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def layout(change=None):
+        """(buffer, other) -> grads: fresh views each call, with one change."""
+        def views(b, o):
+            grads = [b[s:s + n] for s, n in zip(starts, sizes)]
+            if change == "re_pointed":
+                grads[2] = o[:64]
+            elif change == "re_strided":
+                grads[3] = b[starts[3]:starts[3] + 10:2]  # 5 elements, stride 2
+            elif change == "resized":
+                grads[2] = b[starts[2]:starts[2] + 63]
+            elif change == "none":
+                grads[4] = None
+            elif change == "more":
+                grads.append(o[:3])
+            elif change == "fewer":
+                grads.pop()
+            elif change == "reordered":
+                grads[0], grads[1] = grads[1], grads[0]
+            return grads
+        return views
+
+    def clip(views, expect_general):
+        buf_a, other_a = buf.clone(), other.clone()
+        theirs = [Param(None if g is None else g.as_subclass(_CudaTyped))
+                  for g in views(buf_a, other_a)]
+        ours = [Param(g) for g in views(buf, other)]
+        present = [g for g in views(buf, other) if g is not None]
+        before = general["passes"]
+        if norm_kind == "float":
+            total = ours_norm = ORIGINALS["get_grad_norm_fp32"](present)
+        elif norm_kind == "leanstep_fp64":
+            ours_norm = optimizer.get_grad_norm_fp32(present)  # a 0-d fp64 tensor
+            total = float(ours_norm)
+        else:  # an fp32 device norm (0.19 with TE): the coefficient in fp32 on the device
+            ours_norm = optimizer.get_grad_norm_fp32(present).to(torch.float32)
+            total = None
+        optimizer.clip_grad_by_total_norm_fp32(ours, 0.25, ours_norm)
+        if total is not None:
+            ORIGINALS["clip_grad_by_total_norm_fp32"](theirs, 0.25, total)
+        else:
+            coeff = torch.tensor(0.25, dtype=torch.float32) / (
+                ours_norm + torch.tensor(1e-6, dtype=torch.float32))
+            for g in views(buf_a, other_a):
+                if g is not None:
+                    g.mul_(torch.clamp(coeff, max=1.0))
+        assert torch.equal(buf, buf_a) and torch.equal(other, other_a)
+        if expect_general is not None:
+            assert (general["passes"] > before) == expect_general, change_of[0]
+        path = f"{'torch' if backend else 'cpu'}:cpu"
+        assert lm.report()["calls"]["clip_grad_by_total_norm_fp32"]["paths"] == {
+            path: calls[0] + 1}
+        calls[0] += 1
+
+    calls = [0]
+    clip(layout(), expect_general=True)
+    clip(layout(), expect_general=False)  # recalled
+    change_of = [None]
+    for change in ("re_pointed", "re_strided", "resized", "none", "more", "fewer", "reordered"):
+        change_of[0] = change
+        clip(layout(change), expect_general=True)
+        # Again the general way where the changed list's plan became the last one (a
+        # torch-op plan over two buffers, or with gaps, is not kept for a recall).
+        clip(layout(), expect_general=None)
+        clip(layout(), expect_general=False)
+    assert lm.report()["calls"]["clip_grad_by_total_norm_fp32"]["leanstep"] == 23
+
+
 def test_count_zeros_matches_megatron(patched, megatron_on_cpu, torch_gen):
     _, grads = make_buffer_grads(torch_gen)
     grads[0].view(-1)[::5] = 0

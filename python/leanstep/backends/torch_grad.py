@@ -191,12 +191,8 @@ class TorchGradPlan:
         they cover its memory and keep it alive. None when a region's base
         lies in another storage (the plan does not describe that memory)."""
         if self._whole_base is not None:
-            flat = self._region_as_base(grads)
-            if flat is not None:
-                group = ViewGroup(1)
-                group.views.append(flat)
-                bound = shallow_copy(self)
-                bound._set_groups(grads, [group])
+            bound = self._bound_to_region(grads, grads[self._whole_base[0]])
+            if bound is not None:
                 return bound
         bases = self._bases(grads)
         if bases is None:
@@ -205,7 +201,32 @@ class TorchGradPlan:
         bound._realise(grads, bases)
         return bound
 
-    def _region_as_base(self, grads):
+    @property
+    def base_index(self):
+        """The list index of the grad whose base is the plan's one region (see
+        :meth:`bind_base`), or None for a plan of other regions."""
+        return None if self._whole_base is None else self._whole_base[0]
+
+    def bind_base(self, grad):
+        """This plan over a list whose key the caller matched with the one the
+        plan was built from, given the grad at :attr:`base_index` alone (the
+        caller made no list): its base is the region. None where it is not
+        (the general path, :meth:`bind`, decides)."""
+        if self._whole_base is None:
+            return None
+        return self._bound_to_region([grad], grad)
+
+    def _bound_to_region(self, grads, grad):
+        flat = self._region_as_base(grad)
+        if flat is None:
+            return None
+        group = ViewGroup(1)
+        group.views.append(flat)
+        bound = shallow_copy(self)
+        bound._set_groups(grads, [group])
+        return bound
+
+    def _region_as_base(self, grad):
         """The one region's flat view without a storage object or an as_strided
         call: the tensor its grads are views of (``_base``; the grad itself when
         it is no view), where that tensor is exactly the region: 1-d, compact, of
@@ -215,8 +236,7 @@ class TorchGradPlan:
         Measured in the clip benchmark's setting (right after Megatron's own
         clip, 3168 fresh views): about 40 us a call less than the storage check
         and as_strided."""
-        index, dtype, address, numel = self._whole_base
-        grad = grads[index]
+        _, dtype, address, numel = self._whole_base
         root = grad._base
         if root is None:
             root = grad

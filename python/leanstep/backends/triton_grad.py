@@ -438,6 +438,19 @@ class TritonGradPlan:
         bound._split(tp)
         return bound
 
+    @property
+    def base_index(self):
+        return self.torch_plan.base_index
+
+    def bind_base(self, grad):
+        """As TorchGradPlan.bind_base: the grad at base_index alone, or None."""
+        tp = self.torch_plan.bind_base(grad)
+        if tp is None:
+            return None
+        bound = shallow_copy(self)
+        bound._split(tp)
+        return bound
+
     # ---------------------------------------------------------------- helpers
 
     @property

@@ -30,6 +30,7 @@ OPTIMIZER = "megatron.core.optimizer.optimizer"
 ALIAS_MODULES = (OPTIMIZER, "megatron.core.optimizer.layer_wise_optimizer",
                  "megatron.core.models.mimo.optimizer")
 
+_CPU = torch.device("cpu")
 _GRAD_DTYPES = frozenset((torch.float32,))  # what clip_grad_by_total_norm_fp32 takes
 _DECOUPLED_DTYPES = frozenset((torch.float32, torch.bfloat16))
 
@@ -146,6 +147,9 @@ def host_float_clip_scale(max_norm, total_norm):
 
 
 def _make_clip_grad_by_total_norm_fp32(original, spec):
+    # The plan cache's call sites (recall): one per grad attribute.
+    sites = {attr: f"{spec.name}:{attr}" for attr in ("grad", "decoupled_grad")}
+
     @functools.wraps(original)
     def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
         if not _patching.is_active(spec):
@@ -153,20 +157,31 @@ def _make_clip_grad_by_total_norm_fp32(original, spec):
             return original(parameters, max_norm, total_norm, use_decoupled_grad)
         params = as_list(parameters)
         attr = "decoupled_grad" if use_decoupled_grad else "grad"
-        grads, key = grads_with_key(params, attr)
-        allowed = _DECOUPLED_DTYPES if use_decoupled_grad else _GRAD_DTYPES
-        plan, reason = plans.get(grads, in_place=True, key=key)
-        if reason is None and grads and not plan.dtypes <= allowed:
-            reason = "dtype"  # the original asserts on these
-        if reason is None and isinstance(total_norm, torch.Tensor) and grads and \
-                total_norm.device != grads[0].device:
-            reason = "norm_on_another_device"
-        if reason is not None:
-            _patching.count(spec.name, reason=reason)
-            return original(params, max_norm, total_norm, use_decoupled_grad)
+        # The plan this call used last, where the grads are exactly its grads' memory
+        # (Megatron's fresh views of its buffer each step): found for the cost of
+        # reading them; its checks below held when it was remembered. A norm on
+        # another device takes the general path, which decides.
+        plan = plans.recall(sites[attr], params, attr)
+        if plan is not None and isinstance(total_norm, torch.Tensor) and \
+                total_norm.device != (plan._device or _CPU):
+            plan = None
+        if plan is None:
+            grads, key = grads_with_key(params, attr)
+            allowed = _DECOUPLED_DTYPES if use_decoupled_grad else _GRAD_DTYPES
+            plan, reason = plans.get(grads, in_place=True, key=key)
+            if reason is None and grads and not plan.dtypes <= allowed:
+                reason = "dtype"  # the original asserts on these
+            if reason is None and isinstance(total_norm, torch.Tensor) and grads and \
+                    total_norm.device != grads[0].device:
+                reason = "norm_on_another_device"
+            if reason is not None:
+                _patching.count(spec.name, reason=reason)
+                return original(params, max_norm, total_norm, use_decoupled_grad)
+            if not grads:
+                _patching.count(spec.name, *_device_tag(plan)[::-1])
+                return None
+            plans.remember(sites[attr], key)
         _patching.count(spec.name, *_device_tag(plan)[::-1])
-        if not grads:
-            return None
         if isinstance(total_norm, torch.Tensor) and total_norm.dtype == torch.float64:
             # leanstep's norm in place of the installed version's float (a double):
             # the float path's arithmetic, on the device (on the CPU kernels in the
