@@ -140,8 +140,8 @@ class PlanCache:
 
     def recall(self, site, params, attr="grad"):
         """The template (:meth:`GradPlan._unbound`) of the plan ``site`` used
-        last, where the ``attr`` grads of ``params`` (a list or tuple) have
-        exactly its key, else None. One C pass that makes no list and no key
+        last, where the ``attr`` grads of ``params`` (a list or tuple; ``attr``
+        None: the grads themselves) have exactly its key, else None. One C pass that makes no list and no key
         and stops at the first difference: a training loop that passes a fresh
         list of fresh views of the same memory each step finds its plan for the
         cost of reading the grads alone. The key compared is the plan cache's

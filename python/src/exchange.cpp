@@ -402,18 +402,28 @@ nb::object grads_and_key(nb::handle params, nb::str name, nb::object flag, nb::h
 // reads alone. None on a mismatch or a grad that cannot be described; on a match,
 // the `index`-th of the grads that are not None (the one a device plan views its
 // region through), or True where `index` is negative.
-nb::object grads_match_key(nb::handle params, nb::str name, nb::bytes key, Py_ssize_t index) {
+// With `name` None, the items are the grads themselves (a list tensor_list_key
+// keys, where none is None).
+nb::object grads_match_key(nb::handle params, nb::object name, nb::bytes key, Py_ssize_t index) {
   PyObject* seq = params.ptr();
   if (!PyList_Check(seq) && !PyTuple_Check(seq))
     throw nb::type_error("grads_match_key: argument 'params' must be a list or tuple");
+  if (!name.is_none() && !PyUnicode_Check(name.ptr()))
+    throw nb::type_error("grads_match_key: argument 'name' must be a str or None");
   // The key's bytes, held for the call: a getter may run Python, never this object's.
   const nb::bytes expected = nb::borrow<nb::bytes>(key);
   KeyBuilder match(std::string_view(expected.c_str(), expected.size()));
+  const bool items = name.is_none();
   AttrGetter get_grad(name.ptr());
   nb::object wanted = index < 0 ? nb::object(nb::bool_(true)) : nb::object();
   Py_ssize_t found = 0;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
     const nb::object param = nb::borrow(PySequence_Fast_GET_ITEM(seq, i));
+    if (items) {
+      if (param.is_none() || !match.add(param.ptr()) || match.mismatched()) return nb::none();
+      if (found++ == index) wanted = param;
+      continue;
+    }
     PyObject* grad = get_grad.get(param.ptr());
     if (grad == nullptr) {
       if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw nb::python_error();
@@ -642,11 +652,14 @@ void bind_exchange(nb::module_& m) {
         "and their key as tensor_list_key gives it; None when some grad has no description. "
         "With flag: only params whose attribute flag is counted (those whose flag is skipped "
         "are left out); False when a param has neither.");
-  m.def("grads_match_key", &grads_match_key, nb::arg("params"), nb::arg("name"), nb::arg("key"),
+  m.def("grads_match_key", &grads_match_key, nb::arg("params"), nb::arg("name").none(),
+        nb::arg("key"),
         nb::arg("index") = -1,
         "Whether grads_and_key(params, name) would give the key `key` (bytes), in one pass "
         "that stops at the first difference: None if not (or a grad cannot be described), "
-        "else the index-th grad that is not None (True for a negative index).");
+        "else the index-th grad that is not None (True for a negative index). With name "
+        "None, whether tensor_list_key(params) would (the items are the grads; None if "
+        "one is None).");
   m.def("selected_grads_and_key", &selected_grads_and_key, nb::arg("params"), nb::arg("name"),
         nb::arg("ids"), nb::arg("counted"),
         "(grads, hash, key) as grads_and_key gives them for the params whose byte in counted "

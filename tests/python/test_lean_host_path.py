@@ -405,6 +405,17 @@ def test_grads_match_key_answers_as_grads_and_key_would():
     assert _leanstep.grads_match_key([meta], "grad", key) is None  # no description: no match
     with pytest.raises(TypeError):
         _leanstep.grads_match_key(iter(params), "grad", key)
+    # name None: the items are the grads (tensor_list_key's list; a None is no match).
+    tensors = [buf[0:8], buf[8:24].view(4, 4), buf[24:25]]
+    _, tensors_key = _leanstep.tensor_list_key(tensors)
+    fresh = [buf[0:8], buf[8:24].view(4, 4), buf[24:25]]
+    assert _leanstep.grads_match_key(fresh, None, tensors_key) is True
+    assert _leanstep.grads_match_key(fresh, None, tensors_key, 2) is fresh[2]
+    assert _leanstep.grads_match_key(fresh[:2] + [None], None, tensors_key) is None
+    assert _leanstep.grads_match_key(fresh[:2] + [buf[25:26]], None, tensors_key) is None
+    assert _leanstep.grads_match_key(fresh, None, key) is None
+    with pytest.raises(TypeError):
+        _leanstep.grads_match_key(fresh, 3, tensors_key)
 
 
 def test_plan_cache_recalls_a_sites_last_plan_for_the_same_memory_only():

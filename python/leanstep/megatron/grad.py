@@ -66,6 +66,7 @@ def _device_tag(plan):
 
 def _make_get_grad_norm_fp32(original, spec):
     home = sys.modules[original.__module__]
+    site = spec.name  # the plan cache's call site (recall)
 
     @functools.wraps(original)
     def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
@@ -73,11 +74,17 @@ def _make_get_grad_norm_fp32(original, spec):
             _patching.count(spec.name, reason="switched_off")
             return original(grads_for_norm, norm_type, grad_stats_parallel_group)
         grads = as_list(grads_for_norm)
-        plan, reason = plans.get(grads)
-        if reason is not None:
-            _patching.count(spec.name, reason=reason)
-            # `grads`, not the argument: a generator was consumed making the list.
-            return original(grads, norm_type, grad_stats_parallel_group)
+        # The plan this call used last, where the grads are exactly its grads' memory
+        # (Megatron's fresh list of fresh views, each step; see the clip below).
+        plan = plans.recall(site, grads, None)
+        if plan is None:
+            key = plans.key(grads)
+            plan, reason = plans.get(grads, key=key)
+            if reason is not None:
+                _patching.count(spec.name, reason=reason)
+                # `grads`, not the argument: a generator was consumed making the list.
+                return original(grads, norm_type, grad_stats_parallel_group)
+            plans.remember(site, key)
         _patching.count(spec.name, *_device_tag(plan)[::-1])
         p = float(norm_type)
         norm = plan.total_norm(p)
