@@ -431,12 +431,7 @@ class TritonGradPlan:
     def bind(self, grads):
         """This plan over ``grads``, of the addresses, dtypes, shapes and strides
         it was built from (see TorchGradPlan.bind); None where it cannot be."""
-        tp = self.torch_plan.bind(grads)
-        if tp is None:
-            return None
-        bound = shallow_copy(self)
-        bound._split(tp)
-        return bound
+        return self._over(self.torch_plan.bind(grads))
 
     @property
     def base_index(self):
@@ -444,11 +439,14 @@ class TritonGradPlan:
 
     def bind_base(self, grad):
         """As TorchGradPlan.bind_base: the grad at base_index alone, or None."""
-        tp = self.torch_plan.bind_base(grad)
-        if tp is None:
+        return self._over(self.torch_plan.bind_base(grad))
+
+    def _over(self, torch_plan):
+        """This plan over a bound torch-op plan's views (None: None)."""
+        if torch_plan is None:
             return None
         bound = shallow_copy(self)
-        bound._split(tp)
+        bound._split(torch_plan)
         return bound
 
     # ---------------------------------------------------------------- helpers
