@@ -24,15 +24,17 @@ __all__ = ["GradPlan", "multi_tensor_scale", "build_ddp_buffers", "ddp_grad_buff
 INF = float("inf")
 
 
-#: {(op, reason): counter} of the calls the CPU kernels run for a plan: each call
-#: counted by one ``next``, without record's lock and key tuples (see _backend.tally).
-_cpu_counters = {}
+#: {(op, backend, device type, reason): counter} of the calls a plan runs where its
+#: choice stands (the CPU kernels, the torch-op backend): each call counted by one
+#: ``next``, without record's lock and key tuples (see _backend.tally).
+_counters = {}
 
 
-def _cpu_counter(op, reason):
-    counter = _cpu_counters.get((op, reason))
+def _counter(op, backend, device_type, reason):
+    key = (op, backend, device_type, reason)
+    counter = _counters.get(key)
     if counter is None:
-        counter = _cpu_counters[op, reason] = _backend.tally(op, "cpu", "cpu", reason)
+        counter = _counters[key] = _backend.tally(op, backend, device_type, reason)
     return counter
 
 
@@ -269,8 +271,11 @@ class GradPlan:
         switches the op off or its kernels do not take the call). The device
         plan is None for the CPU kernels."""
         if self.backend == "cpu":
-            next(_cpu_counter(f"grad.{op}", self._reason))
+            next(_counter(f"grad.{op}", "cpu", "cpu", self._reason))
             return "cpu", None
+        if self.backend == "torch":  # the registry settles only a Triton choice
+            next(_counter(f"grad.{op}", "torch", self._device.type, self._reason))
+            return "torch", self._torch_plan
         name = f"grad.{op}"
         backend, why = _registry.settle(name, self.backend, self._reason,
                                         args={"plan": self._torch_plan, "norm_type": norm_type})
