@@ -138,7 +138,7 @@ class PlanCache:
                     entry[1]._base_index is not None:
                 self._last[site] = (key[1], self.backend, entry[1])
 
-    def recall(self, site, params, attr="grad"):
+    def recall(self, site, params, attr="grad", ids=None, counted=None):
         """The template (:meth:`GradPlan._unbound`) of the plan ``site`` used
         last, where the ``attr`` grads of ``params`` (a list or tuple; ``attr``
         None: the grads themselves) have exactly its key, else None. One C pass that makes no list and no key
@@ -149,13 +149,15 @@ class PlanCache:
         template found here names exactly the memory the grads cover now, which
         the caller holds for the call: its native plan's pointers are those
         grads'. A device plan is recalled where it views one region through
-        one grad's base (Megatron's grad buffer): the pass returns that grad."""
+        one grad's base (Megatron's grad buffer): the pass returns that grad.
+        ``ids`` and ``counted``: a cached selection of the params (see
+        grads_match_key), whose counted params' grads are compared."""
         last = self._last.get(site)
         if last is None or last[1] != self.backend:
             return None
         exact, _, template = last
         index = template._base_index
-        found = grads_match_key(params, attr, exact, index)
+        found = grads_match_key(params, attr, exact, index, ids, counted)
         if found is None:
             return None
         # Bound for this call without the list (none was made). The CPU kernels read

@@ -403,13 +403,31 @@ nb::object grads_and_key(nb::handle params, nb::str name, nb::object flag, nb::h
 // the `index`-th of the grads that are not None (the one a device plan views its
 // region through), or True where `index` is negative.
 // With `name` None, the items are the grads themselves (a list tensor_list_key
-// keys, where none is None).
-nb::object grads_match_key(nb::handle params, nb::object name, nb::bytes key, Py_ssize_t index) {
+// keys, where none is None). With `ids` and `counted` (a cached selection, as
+// selected_grads_and_key takes them), only the params whose byte is nonzero take
+// part, and a list that is not the selection's is no match.
+nb::object grads_match_key(nb::handle params, nb::object name, nb::bytes key, Py_ssize_t index,
+                           nb::object ids, nb::object counted) {
   PyObject* seq = params.ptr();
   if (!PyList_Check(seq) && !PyTuple_Check(seq))
     throw nb::type_error("grads_match_key: argument 'params' must be a list or tuple");
   if (!name.is_none() && !PyUnicode_Check(name.ptr()))
     throw nb::type_error("grads_match_key: argument 'name' must be a str or None");
+  const bool selection = !ids.is_none() || !counted.is_none();
+  nb::bytes id_bytes, count_bytes;
+  size_t n_ids = 0;
+  if (selection) {
+    if (!PyBytes_Check(ids.ptr()) || !PyBytes_Check(counted.ptr()) || name.is_none())
+      throw nb::type_error("grads_match_key: arguments 'ids' and 'counted' must be bytes, "
+                           "both given, with a name");
+    id_bytes = nb::borrow<nb::bytes>(ids);
+    count_bytes = nb::borrow<nb::bytes>(counted);
+    n_ids = id_bytes.size() / sizeof(uintptr_t);
+    if (id_bytes.size() % sizeof(uintptr_t) != 0 || count_bytes.size() != n_ids)
+      throw nb::value_error("grads_match_key: arguments 'ids' and 'counted' must describe one "
+                            "list (one address and one byte per param)");
+    if (static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) != n_ids) return nb::none();
+  }
   // The key's bytes, held for the call: a getter may run Python, never this object's.
   const nb::bytes expected = nb::borrow<nb::bytes>(key);
   KeyBuilder match(std::string_view(expected.c_str(), expected.size()));
@@ -418,7 +436,16 @@ nb::object grads_match_key(nb::handle params, nb::object name, nb::bytes key, Py
   nb::object wanted = index < 0 ? nb::object(nb::bool_(true)) : nb::object();
   Py_ssize_t found = 0;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-    const nb::object param = nb::borrow(PySequence_Fast_GET_ITEM(seq, i));
+    PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
+    if (selection) {  // a getter may run Python that changes the list: checked afresh
+      if (static_cast<size_t>(i) >= n_ids) return nb::none();
+      uintptr_t expected_id;
+      std::memcpy(&expected_id, id_bytes.c_str() + static_cast<size_t>(i) * sizeof(uintptr_t),
+                  sizeof(expected_id));
+      if (reinterpret_cast<uintptr_t>(item) != expected_id) return nb::none();
+      if (count_bytes.c_str()[i] == 0) continue;
+    }
+    const nb::object param = nb::borrow(item);
     if (items) {
       if (param.is_none() || !match.add(param.ptr()) || match.mismatched()) return nb::none();
       if (found++ == index) wanted = param;
@@ -435,6 +462,7 @@ nb::object grads_match_key(nb::handle params, nb::object name, nb::bytes key, Py
     if (!match.add(grad) || match.mismatched()) return nb::none();
     if (found++ == index) wanted = std::move(owned);
   }
+  if (selection && static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) != n_ids) return nb::none();
   if (!match.matched() || !wanted.is_valid()) return nb::none();
   return wanted;
 }
@@ -654,12 +682,14 @@ void bind_exchange(nb::module_& m) {
         "are left out); False when a param has neither.");
   m.def("grads_match_key", &grads_match_key, nb::arg("params"), nb::arg("name").none(),
         nb::arg("key"),
-        nb::arg("index") = -1,
+        nb::arg("index") = -1, nb::arg("ids").none() = nb::none(),
+        nb::arg("counted").none() = nb::none(),
         "Whether grads_and_key(params, name) would give the key `key` (bytes), in one pass "
         "that stops at the first difference: None if not (or a grad cannot be described), "
         "else the index-th grad that is not None (True for a negative index). With name "
         "None, whether tensor_list_key(params) would (the items are the grads; None if "
-        "one is None).");
+        "one is None). With ids and counted, as selected_grads_and_key takes them: of the "
+        "counted params of that list only (None for another list).");
   m.def("selected_grads_and_key", &selected_grads_and_key, nb::arg("params"), nb::arg("name"),
         nb::arg("ids"), nb::arg("counted"),
         "(grads, hash, key) as grads_and_key gives them for the params whose byte in counted "

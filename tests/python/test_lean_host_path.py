@@ -418,6 +418,37 @@ def test_grads_match_key_answers_as_grads_and_key_would():
         _leanstep.grads_match_key(fresh, 3, tensors_key)
 
 
+def test_grads_match_key_through_a_selection_compares_its_counted_params_only():
+    """With ids and counted (a remembered selection), grads_match_key compares the key
+    of the counted params' grads, and answers None for any other list (an entry
+    replaced, one more or fewer), as selected_grads_and_key answers False."""
+    buf = torch.arange(32, dtype=torch.float32)
+    params = [types.SimpleNamespace(grad=buf[8 * i:8 * (i + 1)]) for i in range(4)]
+    ids = struct.pack("4P", *map(id, params))
+    mask = bytes([1, 0, 1, 1])
+    _, _, key = _leanstep.grads_and_key([params[0], params[2], params[3]], "grad")
+    for i, p in enumerate(params):
+        p.grad = buf[8 * i:8 * (i + 1)]  # fresh views
+    assert _leanstep.grads_match_key(params, "grad", key, -1, ids, mask) is True
+    assert _leanstep.grads_match_key(params, "grad", key, 1, ids, mask) is params[2].grad
+    params[1].grad = buf[1:3]  # not counted: not compared
+    assert _leanstep.grads_match_key(params, "grad", key, -1, ids, mask) is True
+    params[3].grad = buf[24:31]  # counted and resized
+    assert _leanstep.grads_match_key(params, "grad", key, -1, ids, mask) is None
+    params[3].grad = buf[24:32]
+    other = list(params)
+    other[1] = types.SimpleNamespace(grad=buf[8:16])
+    assert _leanstep.grads_match_key(other, "grad", key, -1, ids, mask) is None
+    assert _leanstep.grads_match_key(params[:-1], "grad", key, -1, ids, mask) is None
+    assert _leanstep.grads_match_key(params + params[:1], "grad", key, -1, ids, mask) is None
+    with pytest.raises(ValueError, match="one address and one byte"):
+        _leanstep.grads_match_key(params, "grad", key, -1, ids, mask[:-1])
+    with pytest.raises(TypeError, match="both given"):
+        _leanstep.grads_match_key(params, "grad", key, -1, ids, None)
+    with pytest.raises(TypeError, match="both given"):
+        _leanstep.grads_match_key(params, None, key, -1, ids, mask)
+
+
 def test_plan_cache_recalls_a_sites_last_plan_for_the_same_memory_only():
     """PlanCache.recall finds the CPU plan a site remembered when the grads cover the
     same memory; another site, a forced backend, another layout or a cleared cache

@@ -500,8 +500,9 @@ def test_count_zeros_matches_megatron(patched, megatron_on_cpu, torch_gen):
 def test_count_zeros_over_calls_reads_each_list_as_megatron_does(patched, megatron_on_cpu,
                                                                  monkeypatch, torch_gen):
     """A list of params seen before is counted from its remembered marks: no attribute
-    of any param is read again, and the pass checks each entry's identity as it reads
-    its grad. The count is Megatron's on every call: the same list (or a copy of it),
+    of any param is read again, and the pass (the selection's, or the recall of the
+    plan through the selection) checks each entry's identity as it reads its grad.
+    The count is Megatron's on every call: the same list (or a copy of it),
     an entry replaced by another param with the same ends of the list, a shorter or
     longer list, a reversed one, new param objects after the old ones died (their
     addresses reused), and new zeros in the grads each call."""
@@ -518,6 +519,15 @@ def test_count_zeros_over_calls_reads_each_list_as_megatron_does(patched, megatr
 
     monkeypatch.setattr(lm_grad, "selected_grads_and_key", spy("remembered", remembered))
     monkeypatch.setattr(lm_grad, "grads_and_key", spy("marks", marks))
+    import leanstep._plans as plans_module
+    matched = plans_module.grads_match_key
+
+    def spy_match(*args):
+        if args[4] is not None:  # through a remembered selection
+            passes["remembered"] += 1
+        return matched(*args)
+
+    monkeypatch.setattr(plans_module, "grads_match_key", spy_match)
 
     def check(params):
         for g in grads:
@@ -549,6 +559,59 @@ def test_count_zeros_over_calls_reads_each_list_as_megatron_does(patched, megatr
     params = make_params(0)  # new param objects, another one shared
     check(params)
     check(params)
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_count_zeros_over_calls_recalls_its_plan_only_for_the_same_memory(backend, patched,
+                                                                          megatron_on_cpu,
+                                                                          monkeypatch, torch_gen):
+    """The same list of params with fresh views of the same memory finds the plan the
+    count used last through its remembered selection, with no list and no key made
+    (neither the selection's pass nor the marks'); a counted grad re-pointed, resized
+    or set to None goes the general way; every count is Megatron's."""
+    monkeypatch.setattr(lm_grad.plans, "backend", backend)
+    general = {"passes": 0}
+    remembered, marks = lm_grad.selected_grads_and_key, lm_grad.grads_and_key
+
+    def spy(fn):
+        def call(*args):
+            general["passes"] += 1
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(lm_grad, "selected_grads_and_key", spy(remembered))
+    monkeypatch.setattr(lm_grad, "grads_and_key", spy(marks))
+    sizes = [17, 1, 64, 5, 33]
+    buf = randn((sum(sizes),), torch.float32, torch_gen)
+    other = randn((64,), torch.float32, torch_gen)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    world = torch.distributed.group.WORLD
+    params = [Param(None) for _ in sizes]
+
+    def check(change, expect_general):
+        buf[torch.rand(buf.numel(), generator=torch_gen) < 0.3] = 0.0
+        other[torch.rand(other.numel(), generator=torch_gen) < 0.3] = 0.0
+        for p, s, n in zip(params, starts, sizes):
+            p.grad = buf[s:s + n]  # fresh views each call
+        if change == "re_pointed":
+            params[2].grad = other
+        elif change == "resized":
+            params[4].grad = buf[starts[4]:starts[4] + 32]
+        elif change == "none":
+            params[1].grad = None
+        before = general["passes"]
+        theirs = ORIGINALS["count_zeros_fp32"](params, world, tp_group=world)
+        ours = optimizer.count_zeros_fp32(params, grad_stats_parallel_group=world, tp_group=world)
+        assert ours.item() == theirs
+        if expect_general is not None:
+            assert (general["passes"] > before) == expect_general, change
+
+    check(None, True)
+    check(None, False)
+    for change in ("re_pointed", "resized", "none"):
+        check(change, True)
+        check(None, None)
+        check(None, False)
 
 
 def test_count_zeros_of_params_without_weak_references(patched, megatron_on_cpu, torch_gen):

@@ -361,17 +361,33 @@ def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
                  if g is not None]
         return grads, None, None
 
+    sites = {attr: f"{spec.name}:{attr}" for attr in ("grad", "decoupled_grad")}
+
+    def recall(params, attr, tp_group, expert_tp_group):
+        """The plan this call used last, where `params` is a list whose selection
+        is remembered and its counted params' grads are exactly that plan's
+        memory (see the clip); None otherwise."""
+        context = _zero_count_context(tp_group, expert_tp_group, with_expert_tp)
+        selection = context.selections.get(_Selection.key(params))
+        if selection is None or not selection.alive[0]:
+            return None
+        plan = plans.recall(sites[attr], params, attr, selection.ids, selection.counted)
+        # A param that died during the pass (a getter's own code) voids the answer.
+        return plan if selection.alive[0] else None
+
     def run(params, group, attr, tp_group, expert_tp_group, call_original):
         if not _patching.is_active(spec):
             _patching.count(spec.name, reason="switched_off")
             return call_original()
-        selected, key, reason = select(params, attr, tp_group, expert_tp_group)
-        plan = None
-        if reason is None:
-            plan, reason = plans.get(selected, key=key)
-        if reason is not None:
-            _patching.count(spec.name, reason=reason)
-            return call_original()
+        plan = recall(params, attr, tp_group, expert_tp_group)
+        if plan is None:
+            selected, key, reason = select(params, attr, tp_group, expert_tp_group)
+            if reason is None:
+                plan, reason = plans.get(selected, key=key)
+            if reason is not None:
+                _patching.count(spec.name, reason=reason)
+                return call_original()
+            plans.remember(sites[attr], key)
         _patching.count(spec.name, *_device_tag(plan)[::-1])
         count = plan.count_zeros()
         # The count stays on the device, a 0-d tensor (the installed version returns a
