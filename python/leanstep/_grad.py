@@ -225,20 +225,28 @@ class GradPlan:
             bound._torch_plan = plan
         return bound
 
-    @property
-    def _base_index(self):
-        """For a plan to be found again from a key alone (PlanCache.recall): the
-        list index of the one grad binding it needs, -1 where it needs none (the
-        CPU kernels read the memory through the native plan), None where it
-        needs the whole list (a device plan of several regions)."""
-        if self.backend == "cpu":
+    def _recall_index(self, grads):
+        """For a plan to be found again from its key alone (PlanCache.recall) over
+        lists like ``grads`` (the list it was just found for): the list index of
+        the one grad binding it takes, -1 for an empty list, None where it cannot
+        be bound from one grad (a device plan of several regions, or whose region
+        is not that grad's base). The CPU kernels read the memory through the
+        native plan; they take the first grad to make outputs like it (where the
+        CPU stands in for a device, leanstep.audit.DeviceMemory counts outputs
+        made like a grad as that device's memory)."""
+        if not grads:
             return -1
-        return self._torch_plan.base_index
+        if self.backend == "cpu":
+            return 0
+        index = self._torch_plan.base_index
+        if index is None or not self._torch_plan.region_is_base(grads[index]):
+            return None
+        return index
 
     def _bound_base(self, grad, like):
         """A template (:meth:`_unbound`) bound for one call over a list whose key
         the caller matched with the plan's, of which it holds ``grad``, the one
-        at :attr:`_base_index` (None for the CPU kernels); ``like`` makes the
+        at its :meth:`_recall_index` (None for an empty list); ``like`` makes the
         outputs where there is no grad. None where a device plan's region is not
         that grad's base now."""
         return self._bound_with(() if grad is None else (grad,), like if grad is None else grad,

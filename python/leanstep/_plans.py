@@ -26,7 +26,8 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
                  "bfloat16": torch.bfloat16, "float64": torch.float64}  # key_facts' names
 _device = operator.attrgetter("device")
 _grad_of = operator.attrgetter("grad")
-EMPTY_LIKE = torch.empty(0)  # results of an empty grad list are torch tensors too
+EMPTY_LIKE = torch.empty(0)
+_torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled  # results of an empty grad list are torch tensors too
 
 
 def as_list(tensors):
@@ -74,8 +75,8 @@ class PlanCache:
         self._by_key = {}
         self._order = []
         self._lock = threading.Lock()
-        #: {site: (exact key, backend, template)}: the plan a call site used last
-        #: (see :meth:`recall`).
+        #: {site: (exact key, backend, template, index)}: the plan a call site used
+        #: last and the list index of the grad that binds it (see :meth:`recall`).
         self._last = {}
 
     @staticmethod
@@ -126,17 +127,21 @@ class PlanCache:
             plan._fingerprint = None
         return plan, reason
 
-    def remember(self, site, key):
-        """Keeps the plan cached under ``key`` (a key read from C) as the one
-        ``site`` (a call site: one patched function and grad attribute) used
-        last, for :meth:`recall`."""
-        if key is None or type(key[1]) is not bytes:
-            return
+    def remember(self, site, key, grads):
+        """Keeps the plan cached under ``key`` (a key read from C) for ``grads``
+        as the one ``site`` (a call site: one patched function and grad
+        attribute) used last, for :meth:`recall`; where it cannot be recalled
+        (see GradPlan._recall_index), the site keeps none, so that its next
+        call makes no pass in vain."""
         with self._lock:
-            entry = self._by_key.get((key[0], self.backend))
-            if entry is not None and entry[0] == key[1] and entry[1] is not None and \
-                    entry[1]._base_index is not None:
-                self._last[site] = (key[1], self.backend, entry[1])
+            entry = None if key is None or type(key[1]) is not bytes else \
+                self._by_key.get((key[0], self.backend))
+            template = entry[1] if entry is not None and entry[0] == key[1] else None
+            index = None if template is None else template._recall_index(grads)
+            if index is None:
+                self._last.pop(site, None)
+            else:
+                self._last[site] = (key[1], self.backend, template, index)
 
     def recall(self, site, params, attr="grad", ids=None, counted=None):
         """The template (:meth:`GradPlan._unbound`) of the plan ``site`` used
@@ -153,16 +158,13 @@ class PlanCache:
         ``ids`` and ``counted``: a cached selection of the params (see
         grads_match_key), whose counted params' grads are compared."""
         last = self._last.get(site)
-        if last is None or last[1] != self.backend:
-            return None
-        exact, _, template = last
-        index = template._base_index
+        if last is None or last[1] != self.backend or _torch_function_mode_enabled():
+            return None  # under a torch function mode a grad's read runs Python
+        exact, _, template, index = last
         found = grads_match_key(params, attr, exact, index, ids, counted)
         if found is None:
             return None
-        # Bound for this call without the list (none was made). The CPU kernels read
-        # the grads' memory through the native plan, and make outputs like a torch
-        # tensor on the CPU, as the grads' first would.
+        # Bound for this call without the list (none was made).
         plan = template._bound_base(None if index < 0 else found, EMPTY_LIKE)
         if plan is None:  # the region is no longer that grad's base: not again
             with self._lock:

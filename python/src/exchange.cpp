@@ -237,13 +237,27 @@ class AttrGetter {
     return PyObject_GetAttr(obj, name_);
   }
 
+  // Whether reading the attribute of an object of `type` runs no Python code of
+  // its own: torch's C getter on torch.Tensor or Parameter themselves, or a plain
+  // instance attribute (no descriptor on the type, the generic getattr). A
+  // property, a __getattr__, a getter of a subclass that torch hands to its
+  // __torch_function__ may do anything, such as drop another param's grad.
+  bool quiet(PyTypeObject* type) {
+    if (!type_.current(type)) refresh(type);
+    return quiet_;
+  }
+
  private:
   // The getter, or none (getattr then), for `type`; remembered with the type's
   // version tag either way, so a run of one type looks it up once.
   void refresh(PyTypeObject* type) {
     getter_ = nullptr;
     closure_ = nullptr;
+    quiet_ = false;
     PyObject* descr = type_.lookup(type, name_);
+    const bool tagged = type_.current(type);  // else nothing is remembered
+    if (tagged && descr == nullptr && type->tp_getattro == PyObject_GenericGetAttr)
+      quiet_ = true;  // the instance's own __dict__, if anything
     if (type->tp_getattro != PyObject_GenericGetAttr || descr == nullptr ||
         !Py_IS_TYPE(descr, &PyGetSetDescr_Type) || !PyType_IsSubtype(type, PyDescr_TYPE(descr)))
       return;  // getattr's own path (it raises where the descriptor is not for this type)
@@ -251,12 +265,14 @@ class AttrGetter {
     if (def->get == nullptr) return;
     getter_ = def->get;
     closure_ = def->closure;
+    quiet_ = tagged && plain_torch_type(type);
   }
 
   PyObject* name_;
   TypeLookup type_;
   getter getter_ = nullptr;
   void* closure_ = nullptr;
+  bool quiet_ = false;
 };
 
 // `obj.is_neg()` for a torch.Tensor or Parameter (the types exchange_view takes):
@@ -451,6 +467,12 @@ nb::object grads_match_key(nb::handle params, nb::object name, nb::bytes key, Py
       if (found++ == index) wanted = param;
       continue;
     }
+    // Unlike the general pass, this one keeps no grad past its read: it answers only
+    // where nothing can change a grad it has read (no Python runs in a read) and every
+    // grad is held by something else (its param), so the memory its key names is
+    // alive when the caller's kernels run. A getter that makes its grad afresh (the
+    // only holder is this pass) would have it freed, and its address reused.
+    if (!get_grad.quiet(Py_TYPE(param.ptr()))) return nb::none();
     PyObject* grad = get_grad.get(param.ptr());
     if (grad == nullptr) {
       if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw nb::python_error();
@@ -459,7 +481,7 @@ nb::object grads_match_key(nb::handle params, nb::object name, nb::bytes key, Py
     }
     nb::object owned = nb::steal(grad);
     if (grad == Py_None) continue;
-    if (!match.add(grad) || match.mismatched()) return nb::none();
+    if (Py_REFCNT(grad) < 2 || !match.add(grad) || match.mismatched()) return nb::none();
     if (found++ == index) wanted = std::move(owned);
   }
   if (selection && static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) != n_ids) return nb::none();

@@ -1127,6 +1127,17 @@ def test_the_native_norm_is_device_memory_where_the_grads_are(patched, no_collec
     with memory:
         grads = [torch.randn(50, device=stand_in), torch.randn(7, device=stand_in)]
         norm = optimizer.get_grad_norm_fp32(grads)
+        # Again with fresh views of the same memory: DeviceMemory is a torch function
+        # mode, under which a grad's read may run Python, so the plan is not recalled
+        # (the general path, its key made) and the norm is device memory again.
+        keys = []
+        key_of = lm_grad.plans.key
+        lm_grad.plans.key = lambda grads: keys.append(1) or key_of(grads)
+        try:
+            again = optimizer.get_grad_norm_fp32([g[:] for g in grads])
+        finally:
+            del lm_grad.plans.key
+        assert keys == [1] and memory.holds(again) and torch.equal(again, norm)
         host_norm = optimizer.get_grad_norm_fp32([torch.randn(5)])
         assert memory.holds(norm) and not memory.holds(host_norm)
         with leanstep.audit(device_memory=memory) as a:

@@ -207,6 +207,10 @@ class TorchGradPlan:
         :meth:`bind_base`), or None for a plan of other regions."""
         return None if self._whole_base is None else self._whole_base[0]
 
+    def region_is_base(self, grad):
+        """Whether :meth:`bind_base` takes ``grad`` (no view made)."""
+        return self._whole_base is not None and self._region_as_base(grad) is not None
+
     def bind_base(self, grad):
         """This plan over a list whose key the caller matched with the one the
         plan was built from, given the grad at :attr:`base_index` alone (the
@@ -223,7 +227,8 @@ class TorchGradPlan:
         group = ViewGroup(1)
         group.views.append(flat)
         bound = shallow_copy(self)
-        bound._set_groups(grads, [group])
+        # _set_groups' lists, made directly: no listed grad is generic in such a plan.
+        bound.grads, bound.generic, bound.groups, bound.views = grads, [], [group], group.views
         return bound
 
     def _region_as_base(self, grad):

@@ -437,6 +437,9 @@ class TritonGradPlan:
     def base_index(self):
         return self.torch_plan.base_index
 
+    def region_is_base(self, grad):
+        return self.torch_plan.region_is_base(grad)
+
     def bind_base(self, grad):
         """As TorchGradPlan.bind_base: the grad at base_index alone, or None."""
         return self._over(self.torch_plan.bind_base(grad))

@@ -84,7 +84,7 @@ def _make_get_grad_norm_fp32(original, spec):
                 _patching.count(spec.name, reason=reason)
                 # `grads`, not the argument: a generator was consumed making the list.
                 return original(grads, norm_type, grad_stats_parallel_group)
-            plans.remember(site, key)
+            plans.remember(site, key, grads)
         _patching.count(spec.name, *_device_tag(plan)[::-1])
         p = float(norm_type)
         norm = plan.total_norm(p)
@@ -187,7 +187,7 @@ def _make_clip_grad_by_total_norm_fp32(original, spec):
             if not grads:
                 _patching.count(spec.name, *_device_tag(plan)[::-1])
                 return None
-            plans.remember(sites[attr], key)
+            plans.remember(sites[attr], key, grads)
         _patching.count(spec.name, *_device_tag(plan)[::-1])
         if isinstance(total_norm, torch.Tensor) and total_norm.dtype == torch.float64:
             # leanstep's norm in place of the installed version's float (a double):
@@ -387,7 +387,7 @@ def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
             if reason is not None:
                 _patching.count(spec.name, reason=reason)
                 return call_original()
-            plans.remember(sites[attr], key)
+            plans.remember(sites[attr], key, selected)
         _patching.count(spec.name, *_device_tag(plan)[::-1])
         count = plan.count_zeros()
         # The count stays on the device, a 0-d tensor (the installed version returns a
