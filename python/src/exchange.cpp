@@ -242,9 +242,13 @@ class AttrGetter {
   // instance attribute (no descriptor on the type, the generic getattr). A
   // property, a __getattr__, a getter of a subclass that torch hands to its
   // __torch_function__ may do anything, such as drop another param's grad.
-  bool quiet(PyTypeObject* type) {
+  bool quiet(PyObject* obj) {
+    PyTypeObject* type = Py_TYPE(obj);
     if (!type_.current(type)) refresh(type);
-    return quiet_;
+    // A type that has DLPack's exchange table here is torch.Tensor or Parameter
+    // themselves (exchange_api: remembered per type, no lookup in refresh, which
+    // the general pass runs at every change of type).
+    return quiet_ || (torch_getter_ && exchange_api(obj) != nullptr);
   }
 
  private:
@@ -253,7 +257,7 @@ class AttrGetter {
   void refresh(PyTypeObject* type) {
     getter_ = nullptr;
     closure_ = nullptr;
-    quiet_ = false;
+    quiet_ = torch_getter_ = false;
     PyObject* descr = type_.lookup(type, name_);
     const bool tagged = type_.current(type);  // else nothing is remembered
     if (tagged && descr == nullptr && type->tp_getattro == PyObject_GenericGetAttr)
@@ -265,7 +269,7 @@ class AttrGetter {
     if (def->get == nullptr) return;
     getter_ = def->get;
     closure_ = def->closure;
-    quiet_ = tagged && plain_torch_type(type);
+    torch_getter_ = tagged;  // quiet on torch's own types (see quiet)
   }
 
   PyObject* name_;
@@ -273,6 +277,7 @@ class AttrGetter {
   getter getter_ = nullptr;
   void* closure_ = nullptr;
   bool quiet_ = false;
+  bool torch_getter_ = false;
 };
 
 // `obj.is_neg()` for a torch.Tensor or Parameter (the types exchange_view takes):
@@ -472,7 +477,7 @@ nb::object grads_match_key(nb::handle params, nb::object name, nb::bytes key, Py
     // grad is held by something else (its param), so the memory its key names is
     // alive when the caller's kernels run. A getter that makes its grad afresh (the
     // only holder is this pass) would have it freed, and its address reused.
-    if (!get_grad.quiet(Py_TYPE(param.ptr()))) return nb::none();
+    if (!get_grad.quiet(param.ptr())) return nb::none();
     PyObject* grad = get_grad.get(param.ptr());
     if (grad == nullptr) {
       if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw nb::python_error();
