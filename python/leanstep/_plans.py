@@ -26,8 +26,8 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
                  "bfloat16": torch.bfloat16, "float64": torch.float64}  # key_facts' names
 _device = operator.attrgetter("device")
 _grad_of = operator.attrgetter("grad")
-EMPTY_LIKE = torch.empty(0)
-_torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled  # results of an empty grad list are torch tensors too
+EMPTY_LIKE = torch.empty(0)  # results of an empty grad list are torch tensors too
+_torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
 
 
 def as_list(tensors):
@@ -144,10 +144,11 @@ class PlanCache:
                 self._last[site] = (key[1], self.backend, template, index)
 
     def recall(self, site, params, attr="grad", ids=None, counted=None):
-        """The template (:meth:`GradPlan._unbound`) of the plan ``site`` used
-        last, where the ``attr`` grads of ``params`` (a list or tuple; ``attr``
-        None: the grads themselves) have exactly its key, else None. One C pass that makes no list and no key
-        and stops at the first difference: a training loop that passes a fresh
+        """The plan ``site`` used last, bound for this call, where the ``attr``
+        grads of ``params`` (a list or tuple; ``attr`` None: the grads
+        themselves) have exactly its key, else None. One C pass that makes no
+        list and no key and stops at the first difference: a training loop that
+        passes a fresh
         list of fresh views of the same memory each step finds its plan for the
         cost of reading the grads alone. The key compared is the plan cache's
         own (every grad's address, shape, strides, dtype and device), so a

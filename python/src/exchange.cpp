@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -416,6 +417,40 @@ nb::object grads_and_key(nb::handle params, nb::str name, nb::object flag, nb::h
   return nb::make_tuple(grads.list(), out[0], out[1]);
 }
 
+// A caller's cached selection of a list's params: `ids`, the address of every param
+// of that list, in order (the caller holds a weak reference to each and drops the
+// selection when one dies, so an address names one object); `counted`, one byte per
+// param, nonzero for the params that take part. Reads the bytes in place: the caller
+// holds them for the call. Throws, naming `where`, on bytes that describe no list.
+class Selection {
+ public:
+  Selection(const char* where, const nb::bytes& ids, const nb::bytes& counted)
+      : ids_(ids.c_str()),
+        counts_(reinterpret_cast<const unsigned char*>(counted.c_str())),
+        size_(ids.size() / sizeof(uintptr_t)) {
+    if (ids.size() % sizeof(uintptr_t) != 0 || counted.size() != size_)
+      throw nb::value_error(fmt::format("{}: arguments 'ids' and 'counted' must describe one list "
+                                        "(one address and one byte per param)", where).c_str());
+  }
+
+  size_t size() const { return size_; }
+
+  // Whether `item` is the param at position `i` of the selection's list.
+  bool holds_at(size_t i, PyObject* item) const {
+    if (i >= size_) return false;
+    uintptr_t expected;
+    std::memcpy(&expected, ids_ + i * sizeof(uintptr_t), sizeof(expected));
+    return reinterpret_cast<uintptr_t>(item) == expected;
+  }
+
+  bool counted(size_t i) const { return counts_[i] != 0; }
+
+ private:
+  const char* ids_;
+  const unsigned char* counts_;
+  size_t size_;
+};
+
 // Whether the key of getattr(p, name) over `params` (as grads_and_key makes it) is
 // `key`, found in one pass that makes no list and no bytes and stops at the first
 // word that differs: for a caller that keeps the key of the list it planned last
@@ -434,20 +469,13 @@ nb::object grads_match_key(nb::handle params, nb::object name, nb::bytes key, Py
     throw nb::type_error("grads_match_key: argument 'params' must be a list or tuple");
   if (!name.is_none() && !PyUnicode_Check(name.ptr()))
     throw nb::type_error("grads_match_key: argument 'name' must be a str or None");
-  const bool selection = !ids.is_none() || !counted.is_none();
-  nb::bytes id_bytes, count_bytes;
-  size_t n_ids = 0;
-  if (selection) {
+  std::optional<Selection> selection;
+  if (!ids.is_none() || !counted.is_none()) {
     if (!PyBytes_Check(ids.ptr()) || !PyBytes_Check(counted.ptr()) || name.is_none())
       throw nb::type_error("grads_match_key: arguments 'ids' and 'counted' must be bytes, "
                            "both given, with a name");
-    id_bytes = nb::borrow<nb::bytes>(ids);
-    count_bytes = nb::borrow<nb::bytes>(counted);
-    n_ids = id_bytes.size() / sizeof(uintptr_t);
-    if (id_bytes.size() % sizeof(uintptr_t) != 0 || count_bytes.size() != n_ids)
-      throw nb::value_error("grads_match_key: arguments 'ids' and 'counted' must describe one "
-                            "list (one address and one byte per param)");
-    if (static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) != n_ids) return nb::none();
+    selection.emplace("grads_match_key", nb::borrow<nb::bytes>(ids), nb::borrow<nb::bytes>(counted));
+    if (static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) != selection->size()) return nb::none();
   }
   // The key's bytes, held for the call: a getter may run Python, never this object's.
   const nb::bytes expected = nb::borrow<nb::bytes>(key);
@@ -459,12 +487,8 @@ nb::object grads_match_key(nb::handle params, nb::object name, nb::bytes key, Py
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
     PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
     if (selection) {  // a getter may run Python that changes the list: checked afresh
-      if (static_cast<size_t>(i) >= n_ids) return nb::none();
-      uintptr_t expected_id;
-      std::memcpy(&expected_id, id_bytes.c_str() + static_cast<size_t>(i) * sizeof(uintptr_t),
-                  sizeof(expected_id));
-      if (reinterpret_cast<uintptr_t>(item) != expected_id) return nb::none();
-      if (count_bytes.c_str()[i] == 0) continue;
+      if (!selection->holds_at(static_cast<size_t>(i), item)) return nb::none();
+      if (!selection->counted(static_cast<size_t>(i))) continue;
     }
     const nb::object param = nb::borrow(item);
     if (items) {
@@ -489,28 +513,22 @@ nb::object grads_match_key(nb::handle params, nb::object name, nb::bytes key, Py
     if (Py_REFCNT(grad) < 2 || !match.add(grad) || match.mismatched()) return nb::none();
     if (found++ == index) wanted = std::move(owned);
   }
-  if (selection && static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) != n_ids) return nb::none();
+  if (selection && static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) != selection->size())
+    return nb::none();
   if (!match.matched() || !wanted.is_valid()) return nb::none();
   return wanted;
 }
 
-// (grads, hash, key) of the params a caller's cached selection counts, or False
-// when `params` is not the list the selection was made for. `ids`: the address of
-// every param of that list, in order (the caller holds a weak reference to each
-// and drops the selection when one dies, so an address names one object);
-// `counted`: one byte per param, nonzero for the params that take part. The
+// (grads, hash, key) of the params a caller's cached selection (see Selection)
+// counts, or False when `params` is not the list the selection was made for. The
 // identity check runs as the pass reads each param: no per-param attribute read.
 nb::object selected_grads_and_key(nb::handle params, nb::str name, nb::bytes ids,
                                   nb::bytes counted) {
   PyObject* seq = params.ptr();
   if (!PyList_Check(seq) && !PyTuple_Check(seq))
     throw nb::type_error("selected_grads_and_key: argument 'params' must be a list or tuple");
-  const size_t n_ids = ids.size() / sizeof(uintptr_t);
-  if (ids.size() % sizeof(uintptr_t) != 0 || counted.size() != n_ids)
-    throw nb::value_error("selected_grads_and_key: arguments 'ids' and 'counted' must describe "
-                          "one list (one address and one byte per param)");
-  const char* id_bytes = ids.c_str();
-  const auto* counts = reinterpret_cast<const unsigned char*>(counted.c_str());
+  const Selection selection("selected_grads_and_key", ids, counted);
+  const size_t n_ids = selection.size();
   if (static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) != n_ids) return nb::bool_(false);
   GradList grads(static_cast<Py_ssize_t>(n_ids));
   KeyBuilder key(n_ids);
@@ -518,12 +536,9 @@ nb::object selected_grads_and_key(nb::handle params, nb::str name, nb::bytes ids
   // As in grads_and_key, a getter may run Python that changes the list: its size
   // and items are read afresh each step.
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-    if (static_cast<size_t>(i) >= n_ids) return nb::bool_(false);
     PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
-    uintptr_t expected;
-    std::memcpy(&expected, id_bytes + static_cast<size_t>(i) * sizeof(uintptr_t), sizeof(expected));
-    if (reinterpret_cast<uintptr_t>(item) != expected) return nb::bool_(false);
-    if (counts[i] == 0) continue;
+    if (!selection.holds_at(static_cast<size_t>(i), item)) return nb::bool_(false);
+    if (!selection.counted(static_cast<size_t>(i))) continue;
     const nb::object param = nb::borrow(item);
     if (!add_grad(param.ptr(), get_grad, key, grads)) return nb::none();
   }

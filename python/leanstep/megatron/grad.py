@@ -56,6 +56,11 @@ def all_reduce(tensor, op, group):
         torch.distributed.all_reduce(tensor, op=op, group=group)
 
 
+def _sites(spec):
+    """{grad attribute: the plan cache's call site of patch `spec`} (PlanCache.recall)."""
+    return {attr: f"{spec.name}:{attr}" for attr in ("grad", "decoupled_grad")}
+
+
 def _device_tag(plan):
     device = plan._device
     return plan.backend, (device.type if device is not None else "cpu")
@@ -154,8 +159,7 @@ def host_float_clip_scale(max_norm, total_norm):
 
 
 def _make_clip_grad_by_total_norm_fp32(original, spec):
-    # The plan cache's call sites (recall): one per grad attribute.
-    sites = {attr: f"{spec.name}:{attr}" for attr in ("grad", "decoupled_grad")}
+    sites = _sites(spec)
 
     @functools.wraps(original)
     def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
@@ -361,7 +365,7 @@ def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
                  if g is not None]
         return grads, None, None
 
-    sites = {attr: f"{spec.name}:{attr}" for attr in ("grad", "decoupled_grad")}
+    sites = _sites(spec)
 
     def recall(params, attr, tp_group, expert_tp_group):
         """The plan this call used last, where `params` is a list whose selection
