@@ -139,6 +139,7 @@ class GradPlan:
                 _ArgNames(len(self._grads), len(self._buffers), len(like_arg)), backend,
                 "GradPlan")
         self._device = None
+        self._tallies = {}  # {op: its call counter} (see _settle)
         if self.backend in ("torch", "triton"):
             device = self._grads[0].device if self._grads else (
                 like.device if is_torch(like) else torch.device("cpu"))
@@ -154,6 +155,9 @@ class GradPlan:
             self._core = Native(_leanstep.GradPlanCore.from_key(_key))
         else:
             self._core = Native(native.GradPlanCore(self._grads, self._buffers))
+        # Where the plan's tensors live, as its calls are counted (read once: a device's
+        # type is a torch call each time).
+        self.device_type = "cpu" if self._device is None else self._device.type
         # Read once: what no later call changes. The CPU kernels' core is wrapped
         # (Native: a tensor argument the extension refuses goes again as a capsule); a
         # call that passes no tensor goes to the extension's own object, without the
@@ -278,12 +282,16 @@ class GradPlan:
         built on Triton runs the torch-op plan inside it when the preset
         switches the op off or its kernels do not take the call). The device
         plan is None for the CPU kernels."""
-        if self.backend == "cpu":
-            next(_counter(f"grad.{op}", "cpu", "cpu", self._reason))
-            return "cpu", None
-        if self.backend == "torch":  # the registry settles only a Triton choice
-            next(_counter(f"grad.{op}", "torch", self._device.type, self._reason))
-            return "torch", self._torch_plan
+        if self.backend in ("cpu", "torch"):  # the registry settles only a Triton choice
+            # The op's counter, found once per plan (a template and the plans bound from
+            # it share the dict): right after Megatron's own clip over 3168 fresh views,
+            # the op name, the device's type and the key tuple cost about 20 us a call.
+            tally = self._tallies.get(op)
+            if tally is None:
+                tally = self._tallies[op] = _counter(f"grad.{op}", self.backend, self.device_type,
+                                                     self._reason)
+            next(tally)
+            return (self.backend, None) if self.backend == "cpu" else ("torch", self._torch_plan)
         name = f"grad.{op}"
         backend, why = _registry.settle(name, self.backend, self._reason,
                                         args={"plan": self._torch_plan, "norm_type": norm_type})

@@ -467,6 +467,38 @@ def test_grads_match_key_through_a_selection_compares_its_counted_params_only():
         _leanstep.grads_match_key(params, None, key, -1, ids, mask)
 
 
+def test_region_base_is_the_grads_base_only_where_it_is_exactly_the_region():
+    """region_base(grad, dtype, address, numel) is the tensor grad views (grad itself
+    when it is no view) where that tensor is one compact 1-d region of that dtype at
+    that address, of that numel, that does not require grad; every other case is
+    None, each checked on its own."""
+    buf = torch.randn(40)
+    address, grad = buf.data_ptr(), buf[8:24]
+    assert _leanstep.region_base(grad, "float32", address, 40) is buf
+    assert _leanstep.region_base(grad.view(4, 4), "float32", address, 40) is buf  # a view's view
+    assert _leanstep.region_base(buf, "float32", address, 40) is buf  # no view: itself
+    assert _leanstep.region_base(grad, "float32", address + 4, 40) is None  # address
+    assert _leanstep.region_base(grad, "float32", address, 39) is None  # numel
+    assert _leanstep.region_base(grad, "bfloat16", address, 40) is None  # dtype
+    assert _leanstep.region_base(grad, "float64", address, 40) is None
+    assert _leanstep.region_base(buf[8:].view(torch.int32), "int32", address, 40) is None
+    square = torch.randn(8, 5)
+    assert _leanstep.region_base(square[1], "float32", square.data_ptr(), 40) is None  # 2-d
+    strided = torch.randn(80)[::2]
+    assert _leanstep.region_base(strided, "float32", strided.data_ptr(), 40) is None
+    leaf = torch.randn(40, requires_grad=True)
+    assert _leanstep.region_base(leaf[8:24], "float32", leaf.data_ptr(), 40) is None  # requires grad
+    param = torch.nn.Parameter(torch.randn(40), requires_grad=False)
+    assert _leanstep.region_base(param[8:24], "float32", param.data_ptr(), 40) is param
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = buf.as_subclass(Sub)
+    assert _leanstep.region_base(sub[8:24], "float32", address, 40) is None  # not torch's own
+    assert _leanstep.region_base(types.SimpleNamespace(), "float32", address, 40) is None
+
+
 def test_plan_cache_recalls_a_sites_last_plan_for_the_same_memory_only():
     """PlanCache.recall finds the CPU plan a site remembered when the grads cover the
     same memory; another site, a forced backend, another layout or a cleared cache

@@ -12,6 +12,7 @@ import collections
 import importlib
 import importlib.metadata
 import inspect
+import itertools
 import os
 import sys
 import threading
@@ -80,27 +81,42 @@ def match_variant(func, spec):
 # ---------------------------------------------------------------- call statistics and switch
 
 _lock = threading.RLock()
-_calls = collections.defaultdict(lambda: {"leanstep": collections.Counter(),
-                                          "delegated": collections.Counter()})
+#: {(patch, device type, backend, reason): itertools.count}: each call counted by
+#: one ``next``, lock-free (atomic under the GIL, as leanstep._backend.tally). Right
+#: after Megatron's own clip over 3168 fresh views, the lock, the nested Counters and
+#: the formatted key cost about 30 us a call (one thread, median of 200): the patched
+#: functions count every call.
+_counters = {}
 
 
 def count(name, device_type=None, backend=None, reason=None):
     """One call of patch `name`: run by leanstep (on `backend`, tensors on
     `device_type`) or delegated to the original for `reason`."""
-    with _lock:
-        entry = _calls[name]
-        if reason is None:
-            entry["leanstep"][f"{backend}:{device_type}"] += 1
-        else:
-            entry["delegated"][reason] += 1
+    key = (name, device_type, backend, reason)
+    counter = _counters.get(key)
+    if counter is None:
+        with _lock:
+            counter = _counters.setdefault(key, itertools.count())
+    next(counter)
 
 
 def call_counts():
     """``{patch: {"leanstep": n, "paths": {"backend:device": n}, "delegated": {reason: n}}}``."""
     with _lock:
-        return {n: {"leanstep": sum(c["leanstep"].values()), "paths": dict(c["leanstep"]),
-                    "delegated": dict(c["delegated"])}
-                for n, c in _calls.items()}
+        counted = [(key, int(repr(counter)[6:-1]))  # an itertools.count's repr: "count(N)"
+                   for key, counter in _counters.items()]
+    out = {}
+    for (name, device_type, backend, reason), n in counted:
+        if not n:
+            continue
+        entry = out.setdefault(name, {"leanstep": 0, "paths": {}, "delegated": {}})
+        if reason is None:
+            path = f"{backend}:{device_type}"
+            entry["paths"][path] = entry["paths"].get(path, 0) + n
+            entry["leanstep"] += n
+        else:
+            entry["delegated"][reason] = entry["delegated"].get(reason, 0) + n
+    return out
 
 
 def is_active(spec):
@@ -507,4 +523,4 @@ def format_report(patches_table):
 
 def reset_call_counts():
     with _lock:
-        _calls.clear()
+        _counters.clear()

@@ -61,11 +61,6 @@ def _sites(spec):
     return {attr: f"{spec.name}:{attr}" for attr in ("grad", "decoupled_grad")}
 
 
-def _device_tag(plan):
-    device = plan._device
-    return plan.backend, (device.type if device is not None else "cpu")
-
-
 # ---------------------------------------------------------------- get_grad_norm_fp32
 
 
@@ -90,7 +85,7 @@ def _make_get_grad_norm_fp32(original, spec):
                 # `grads`, not the argument: a generator was consumed making the list.
                 return original(grads, norm_type, grad_stats_parallel_group)
             plans.remember(site, key, grads)
-        _patching.count(spec.name, *_device_tag(plan)[::-1])
+        _patching.count(spec.name, plan.device_type, plan.backend)
         p = float(norm_type)
         norm = plan.total_norm(p)
         if p == math.inf:
@@ -189,10 +184,10 @@ def _make_clip_grad_by_total_norm_fp32(original, spec):
                 _patching.count(spec.name, reason=reason)
                 return original(params, max_norm, total_norm, use_decoupled_grad)
             if not grads:
-                _patching.count(spec.name, *_device_tag(plan)[::-1])
+                _patching.count(spec.name, plan.device_type, plan.backend)
                 return None
             plans.remember(sites[attr], key, grads)
-        _patching.count(spec.name, *_device_tag(plan)[::-1])
+        _patching.count(spec.name, plan.device_type, plan.backend)
         if isinstance(total_norm, torch.Tensor) and total_norm.dtype == torch.float64:
             # leanstep's norm in place of the installed version's float (a double):
             # the float path's arithmetic, on the device (on the CPU kernels in the
@@ -392,7 +387,7 @@ def _make_count_zeros_fp32(original, spec, with_expert_tp=False):
                 _patching.count(spec.name, reason=reason)
                 return call_original()
             plans.remember(sites[attr], key, selected)
-        _patching.count(spec.name, *_device_tag(plan)[::-1])
+        _patching.count(spec.name, plan.device_type, plan.backend)
         count = plan.count_zeros()
         # The count stays on the device, a 0-d tensor (the installed version returns a
         # Python number): read it when it is logged.
@@ -464,7 +459,7 @@ def unscale_and_check_on_device(optimizer, spec_name=UNSCALE, prepared=None):
             torch._amp_foreach_non_finite_check_and_unscale_(main_grads, optimizer.found_inf,
                                                              inv_scale)
     else:
-        _patching.count(spec_name, *_device_tag(plan)[::-1])
+        _patching.count(spec_name, plan.device_type, plan.backend)
         if main_grads:
             # Unscale and non-finite check in one pass over the coalesced
             # regions, OR-ed into the optimizer's own found_inf.
