@@ -71,6 +71,8 @@ def _has_float64(device):
 class ViewGroup:
     """Views with the same multiplicity (how many listed grads cover them)."""
 
+    __slots__ = ("multiplicity", "views")  # one made per bound call: no instance dict
+
     def __init__(self, multiplicity):
         self.multiplicity = multiplicity
         self.views = []
