@@ -641,6 +641,7 @@ def _subplan(plan, groups):
     if sub.weighted:
         sub.weights = torch.tensor([float(g.multiplicity) for g in groups for _ in g.views],
                                    dtype=plan.acc_dtype, device=plan.device)
+    sub._flat_dtype = sub._flat_view_dtype()
     sub.has_float64_grads = any(v.dtype == torch.float64 for v in sub.views)
     sub.numel = sum(v.numel() * g.multiplicity for g in groups for v in g.views)
     sub._max_norms = {}
