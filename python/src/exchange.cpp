@@ -463,6 +463,11 @@ class Selection {
 // keys, where none is None). With `ids` and `counted` (a cached selection, as
 // selected_grads_and_key takes them), only the params whose byte is nonzero take
 // part, and a list that is not the selection's is no match.
+// How far ahead the pass fetches its params: right after Megatron's own clip over 3168
+// fresh views (one thread, 100 calls each, in one process), the pass took 315 us
+// without, 308 at 4 ahead, 300 at 8, 298 at 12, 305 at 16.
+constexpr Py_ssize_t kPrefetchAhead = 8;
+
 nb::object grads_match_key(nb::handle params, nb::object name, nb::bytes key, Py_ssize_t index,
                            nb::object ids, nb::object counted) {
   PyObject* seq = params.ptr();
@@ -487,6 +492,10 @@ nb::object grads_match_key(nb::handle params, nb::object name, nb::bytes key, Py
   Py_ssize_t found = 0;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
     PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
+    // The param a few places ahead, fetched while this one is read (an address only:
+    // nothing is dereferenced). Each read chases cold pointers from the param on.
+    if (i + kPrefetchAhead < PySequence_Fast_GET_SIZE(seq))
+      __builtin_prefetch(PySequence_Fast_GET_ITEM(seq, i + kPrefetchAhead));
     if (selection) {  // a getter may run Python that changes the list: checked afresh
       if (!selection->holds_at(static_cast<size_t>(i), item)) return nb::none();
       if (!selection->counted(static_cast<size_t>(i))) continue;
