@@ -331,12 +331,16 @@ def tally(op, backend, device_type, reason=None):
         return entry[0]
 
 
+def counted(counter):
+    """How many times ``next`` has been called on a fresh ``itertools.count()``: it
+    shows its next value only in its repr, "count(N)"."""
+    return int(repr(counter)[6:-1])
+
+
 def _tallied():
     """{(op, backend, device type, reason): calls counted since the last reset}."""
     with _lock:
-        # An itertools.count shows its next value only in its repr: "count(N)".
-        return {key: int(repr(counter)[6:-1]) - base
-                for key, (counter, base) in _tallies.items()}
+        return {key: counted(counter) - base for key, (counter, base) in _tallies.items()}
 
 
 def reasons():

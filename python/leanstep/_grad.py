@@ -337,9 +337,8 @@ class GradPlan:
             raise Error(f"GradPlan.norm: argument 'norm_type' must be > 0 or inf (got {norm_type})")
         # Each test only where its argument is given: the common call (Megatron's norm,
         # every step) passes none, and right after a step's fresh views each skipped
-        # call, an ABC isinstance among them, is microseconds (see _settle).
-        if inv_scale is not None and isinstance(inv_scale, numbers.Real) \
-                and not math.isfinite(float(inv_scale)):
+        # call is microseconds (see _settle).
+        if inv_scale is not None and _is_number(inv_scale) and not math.isfinite(float(inv_scale)):
             raise Error(f"GradPlan.norm: argument 'inv_scale' must be finite (got {inv_scale})")
         if self.backend != "cpu":  # given outputs: the CPU kernels' rule
             if out is not None:
@@ -363,7 +362,7 @@ class GradPlan:
         out = self._new_scalar("float32", zeroed=False) if out is None else view(out)
         if inv_scale is None:
             self._core.norm(out, norm_type, found_inf)
-        elif isinstance(inv_scale, numbers.Real):
+        elif _is_number(inv_scale):
             self._core.unscale_norm(float(inv_scale), out, found_inf, norm_type)
         else:
             self._core.unscale_norm(view(inv_scale), out, found_inf, norm_type)
@@ -381,7 +380,7 @@ class GradPlan:
         if plan is not None:
             plan.unscale(_maybe_view(inv_scale), found_inf)
             return found_inf
-        if isinstance(inv_scale, numbers.Real):
+        if _is_number(inv_scale):
             self._core.unscale(float(inv_scale), found_inf)
         else:
             self._core.unscale(view(inv_scale), found_inf)
@@ -425,13 +424,10 @@ class GradPlan:
         """Every grad ``*= scale`` in place (fp32 math, one rounding)."""
         self._check_in_place("scale_")
         _, plan = self._settle("scale")
-        # A float (the clip's coefficient) is told by its type: an ABC isinstance costs
-        # microseconds in the cold state a step leaves (see _settle).
-        number = type(scale) is float or isinstance(scale, numbers.Real)
         if plan is not None:
-            plan.scale(scale if number else view(scale))
+            plan.scale(_maybe_view(scale))
             return
-        if number:
+        if _is_number(scale):
             self._plain_core.scale_by(float(scale))
             return
         self._core.scale(view(scale))
@@ -498,8 +494,15 @@ def _check_writable(tensors, where, arg):
             raise _self_overlap_error(t, where, f"{arg}[{i}]")
 
 
+def _is_number(x):
+    """Whether `x` is a real number (not an array). A float, the common scale, is told
+    by its type: the ABC isinstance costs microseconds in the cold state a step leaves
+    (see GradPlan._settle)."""
+    return type(x) is float or isinstance(x, numbers.Real)
+
+
 def _maybe_view(x):
-    return x if isinstance(x, numbers.Real) else view(x)
+    return x if _is_number(x) else view(x)
 
 
 def _check_max_norm(max_norm, where):

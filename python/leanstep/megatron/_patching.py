@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 
-from .. import _dispatch, _leanstep
+from .. import _backend, _dispatch, _leanstep
 from .._leanstep import Error
 
 EMPTY = inspect.Parameter.empty
@@ -103,8 +103,7 @@ def count(name, device_type=None, backend=None, reason=None):
 def call_counts():
     """``{patch: {"leanstep": n, "paths": {"backend:device": n}, "delegated": {reason: n}}}``."""
     with _lock:
-        counted = [(key, int(repr(counter)[6:-1]))  # an itertools.count's repr: "count(N)"
-                   for key, counter in _counters.items()]
+        counted = [(key, _backend.counted(counter)) for key, counter in _counters.items()]
     out = {}
     for (name, device_type, backend, reason), n in counted:
         if not n:
